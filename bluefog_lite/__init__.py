@@ -1,0 +1,26 @@
+"""bluefog_lite: decentralized (neighbor-averaging) training of PyTorch models over MPI.
+
+The public face: it only re-exports. A Bluefog script runs after changing
+``import bluefog.torch as bf`` to ``import bluefog_lite as bf``.
+"""
+from ._runtime import (
+    BluefogError, init, shutdown, rank, size, local_rank, local_size, machine_rank, machine_size,
+    is_homogeneous, mpi_threads_supported, set_topology, load_topology, is_topo_weighted,
+    in_neighbor_ranks, out_neighbor_ranks, set_machine_topology, load_machine_topology,
+    in_neighbor_machine_ranks, out_neighbor_machine_ranks,
+)
+from .ops import (
+    poll, synchronize, wait, barrier,
+    allreduce, allreduce_, allreduce_nonblocking, allreduce_nonblocking_,
+    broadcast, broadcast_, broadcast_nonblocking, broadcast_nonblocking_,
+    allgather, allgather_nonblocking,
+    neighbor_allgather, neighbor_allgather_nonblocking,
+    neighbor_allreduce, neighbor_allreduce_nonblocking,
+    hierarchical_neighbor_allreduce, hierarchical_neighbor_allreduce_nonblocking,
+    pair_gossip, pair_gossip_nonblocking,
+    InferSourceFromDestinationRanks, InferDestinationFromSourceRanks,
+)
+from .parameters import broadcast_parameters, allreduce_parameters, broadcast_optimizer_state
+from .windows import win_free
+
+__version__ = "0.1.0"

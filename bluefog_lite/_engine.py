@@ -1,0 +1,333 @@
+"""The communication thread: one queue, one loop that drives every MPI data operation.
+
+Callers enqueue an operation (a generator, see _tasks.py) and get an integer handle.
+The loop admits new operations, pushes their sends into the per-neighbor stream,
+receives packets, resumes operations whose inputs have arrived, and sleeps with a
+short backoff when nothing moves: ranks share cores, so it never busy-spins.
+"""
+import collections
+import itertools
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from ._mpi import MPI
+from ._pool import BufferPool
+from ._stream import StreamEndpoint
+from .timeline import _recorder as tl
+
+
+def _env_float(name, default):
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+
+
+def _env_int(name, default):
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer number of bytes, got {raw!r}") from None
+
+
+class Recv:
+    """Wait until one entry has arrived for each (src, key); resumes with the entries."""
+    __slots__ = ("keys",)
+
+    def __init__(self, keys):
+        self.keys = keys
+
+
+class Requests:
+    """Wait until MPI requests complete (nonblocking collectives)."""
+    __slots__ = ("reqs", "what")
+
+    def __init__(self, reqs, what="MPI collective"):
+        self.reqs, self.what = reqs, what
+
+
+class Turn:
+    """Wait until every earlier collective has posted its MPI call (MPI needs one order)."""
+    __slots__ = ("seq",)
+
+    def __init__(self, seq):
+        self.seq = seq
+
+
+class OpTimeout(TimeoutError):
+    pass
+
+
+class Op:
+    __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
+                 "data_requests", "result", "error", "done", "finished_task", "coll_seq",
+                 "caller_tid")
+
+    def __init__(self, handle, name, kind, task):
+        self.handle, self.name, self.kind, self.task = handle, name, kind, task
+        self.wait = None
+        self.waiting_since = 0.0
+        self.warned = False
+        self.data_requests = []
+        self.result = self.error = None
+        self.done = threading.Event()
+        self.finished_task = False
+        self.coll_seq = None
+        self.caller_tid = threading.get_ident()
+
+
+class Engine:
+    def __init__(self, comm, rank, size):
+        self.comm, self.rank, self.size = comm, rank, size
+        threshold = _env_int("BLUEFOG_FUSION_THRESHOLD", 8 * 1024 * 1024)
+        if threshold < 0:
+            raise ValueError(f"BLUEFOG_FUSION_THRESHOLD must be >= 0, got {threshold}")
+        inline = min(threshold, _env_int("BLUEFOG_INLINE_LIMIT", 64 * 1024))
+        self.pool = BufferPool(_env_int("BLUEFOG_BUFFER_POOL_BYTES", 256 * 1024 * 1024))
+        self.stream = StreamEndpoint(comm, threshold, inline, self.pool)
+        self.stall_warning_s = _env_float("BLUEFOG_STALL_WARNING_S", 60.0)
+        self.op_timeout_s = _env_float("BLUEFOG_OP_TIMEOUT_S", 0.0)
+        self.mark_cycles = os.environ.get("BLUEFOG_TIMELINE_MARK_CYCLES", "") not in ("", "0")
+        self.progress_poke_s = 0.002   # idle MPI poke; windows.py lowers it while windows exist
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._ops = {}                 # handle -> Op (until synchronized)
+        self._names = set()            # names of ops in flight
+        self._handles = itertools.count(1)
+        self._active = []
+        self._coll_seq = 0             # next collective sequence number (comm thread)
+        self._coll_next = 0            # lowest collective not yet posted
+        self._coll_released = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="bluefog-communication", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -----------------------------------------------------
+    def submit(self, name, kind, task):
+        """Enqueue generator ``task`` (created with the Op as argument) and return its handle."""
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
+            if name in self._names:
+                raise ValueError(f"an operation named {name!r} is already in flight on this agent; "
+                                 "synchronize it before reusing the name")
+            op = Op(next(self._handles), name, kind, None)
+            op.task = task(op)
+            self._names.add(name)
+            self._ops[op.handle] = op
+            tl.begin(name, "ENQUEUE_" + kind)
+            self._queue.append(op)
+            self._cv.notify()
+        return op.handle
+
+    def _lookup(self, handle):
+        op = self._ops.get(handle)
+        if op is None:
+            raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+        return op
+
+    def poll(self, handle):
+        return self._lookup(handle).done.is_set()
+
+    def synchronize(self, handle):
+        op = self._lookup(handle)
+        while not op.done.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("the bluefog_lite communication thread has died")
+        self._ops.pop(handle, None)
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    def has_pending(self):
+        with self._cv:
+            return any(not op.done.is_set() for op in self._ops.values())
+
+    def stop(self):
+        """Let in-flight operations finish (bounded by the stall warning time), then stop."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(max(self.stall_warning_s, 1.0))
+        if self._thread.is_alive():
+            sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
+                             f"still in flight: {sorted(self._names)}\n")
+            return
+        self.comm.Free()
+
+    # ---- helpers used by tasks (comm thread) ------------------------------
+    def send_tensor(self, op, dst, key, t):
+        self.stream.queue_tensor(dst, key, t, op.data_requests)
+
+    def send_object(self, dst, key, obj):
+        self.stream.queue_object(dst, key, obj)
+
+    def next_collective(self, op):
+        op.coll_seq = self._coll_seq
+        self._coll_seq += 1
+        return op.coll_seq
+
+    def posted_collective(self, op):
+        """The op has made its MPI collective call; later collectives may go."""
+        if op.coll_seq is None:
+            return
+        self._coll_released.add(op.coll_seq)
+        op.coll_seq = None
+        while self._coll_next in self._coll_released:
+            self._coll_released.discard(self._coll_next)
+            self._coll_next += 1
+
+    # ---- the loop ---------------------------------------------------------
+    def _run(self):
+        torch.set_grad_enabled(False)   # thread-local: nothing done here is differentiated
+        rec = tl.current
+        if rec is not None:
+            rec.name_thread("communication")
+        status = MPI.Status()
+        idle = 0
+        last_inspect = time.monotonic()
+        while True:
+            moved = self._admit()
+            moved |= self._progress(status)
+            if self.mark_cycles and moved:
+                tl.instant("cycle", "CYCLE_START")
+            now = time.monotonic()
+            if now - last_inspect > 0.5:
+                self._inspect_stalls(now)
+                last_inspect = now
+            if moved:
+                idle = 0
+                continue
+            if self._stopping and not self._active and not self._queue and not self._sends_pending():
+                return
+            idle += 1
+            self._sleep(idle)
+
+    def _sleep(self, idle):
+        if self._active or self._sends_pending():
+            if idle <= 2:
+                os.sched_yield()
+                return
+            timeout = min(1e-3, 2e-5 * (1 << min(idle - 2, 10)))
+        else:
+            timeout = self.progress_poke_s
+        with self._cv:
+            if not self._queue and not self._stopping:
+                self._cv.wait(timeout)
+
+    def _sends_pending(self):
+        return bool(self.stream.sent_packets or self.stream.pending_recvs)
+
+    def _admit(self):
+        if not self._queue:
+            return False
+        with self._cv:
+            new, self._queue = list(self._queue), collections.deque()
+        for op in new:
+            tl.begin(op.name, "MPI_" + op.kind)
+            self._active.append(op)
+            self._step(op, None)
+        self.stream.flush_all()
+        return True
+
+    def _progress(self, status):
+        s = self.stream
+        moved = s.receive(status)
+        moved |= s.test_recvs()
+        if s.sent_packets:
+            s.sent_packets = [(r, p) for r, p in s.sent_packets if not r.Test()]
+        still = []
+        for op in self._active:
+            if self._advance(op):
+                moved = True
+            if not op.done.is_set():
+                still.append(op)
+        self._active = still
+        moved |= s.flush_all()
+        return moved
+
+    def _advance(self, op):
+        """Resume op if what it waits for is there; finish it when its sends are done."""
+        if op.finished_task:
+            if op.data_requests and not all(r.Test() for r, _ in op.data_requests):
+                return False
+            self._finish(op)
+            return True
+        w = op.wait
+        if isinstance(w, Recv):
+            if not all(self.stream.has(src, key) for src, key in w.keys):
+                return False
+            value = [self.stream.take(src, key) for src, key in w.keys]
+        elif isinstance(w, Turn):
+            if self._coll_next != w.seq:
+                return False
+            value = None
+        elif isinstance(w, Requests):
+            if not MPI.Request.Testall(w.reqs):
+                return False
+            value = None
+        else:
+            return False
+        self._step(op, value)
+        return True
+
+    def _step(self, op, value):
+        try:
+            op.wait = op.task.send(value)
+            op.waiting_since = time.monotonic()
+            op.warned = False
+        except StopIteration as stop:
+            op.result = stop.value
+            op.finished_task = True
+            self._advance(op)
+        except BaseException as exc:  # delivered to the caller by synchronize()
+            op.error = exc
+            self._finish(op)
+
+    def _finish(self, op):
+        op.finished_task = True
+        op.data_requests = []
+        self.posted_collective(op)
+        tl.end(op.name)
+        with self._cv:
+            self._names.discard(op.name)
+        op.done.set()
+        tl.end(op.name, op.caller_tid)
+
+    # ---- stall inspector --------------------------------------------------
+    def _missing(self, op):
+        w = op.wait
+        if isinstance(w, Recv):
+            return sorted({src for src, key in w.keys if not self.stream.has(src, key)})
+        if isinstance(w, Turn):
+            return "an earlier collective operation"
+        if isinstance(w, Requests):
+            return f"unknown ranks (inside {w.what})"
+        return "the completion of its own sends"
+
+    def _inspect_stalls(self, now):
+        for op in self._active:
+            waited = now - op.waiting_since
+            if not op.warned and waited > self.stall_warning_s:
+                op.warned = True
+                sys.stderr.write(
+                    f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r} has waited "
+                    f"{waited:.1f} s for ranks {self._missing(op)} that have not joined it\n")
+                sys.stderr.flush()
+            if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.finished_task:
+                op.error = OpTimeout(
+                    f"{op.kind} {op.name!r} timed out after {waited:.1f} s "
+                    f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
+                    f"waiting for ranks {self._missing(op)}")
+                op.task.close()
+                self._finish(op)

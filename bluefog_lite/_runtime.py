@@ -1,0 +1,284 @@
+"""Process-wide runtime: init/shutdown, rank and machine layout, the current topology."""
+import atexit
+import os
+import sys
+import threading
+import traceback
+import warnings
+
+import networkx as nx
+import numpy as np
+import torch
+
+import topology as _topo
+
+from ._mpi import MPI
+
+
+class BluefogError(RuntimeError):
+    """Raised for misuse of the runtime (e.g. an operation before init())."""
+
+
+class _State:
+    def __init__(self):
+        self.initialized = False
+        self.shut_down = False
+        self.comm = None          # private duplicate of COMM_WORLD (control, set-up)
+        self.rank = 0
+        self.size = 1
+        self.local_rank = 0
+        self.local_size = 1
+        self.machine_rank = 0
+        self.machine_size = 1
+        self.homogeneous = True
+        self.engine = None
+        self.topology = None
+        self.is_weighted = False
+        self.machine_topology = None
+        self.machine_is_weighted = False
+        self.rank_of = {(0, 0): 0}     # (machine rank, local rank) -> rank
+        self.local_ranks = [0]         # ranks on this machine
+        self.windows = {}         # name -> window object (filled by windows.py)
+        self.clock_offset_us = 0.0
+
+
+_state = _State()
+
+
+def state():
+    """The runtime state, after checking that init() was called."""
+    if not _state.initialized:
+        if _state.shut_down:
+            raise BluefogError("bluefog_lite has been shut down; call bf.init() again before this operation")
+        raise BluefogError("bluefog_lite is not initialized: call bf.init() before this operation")
+    return _state
+
+
+def _abort_on_uncaught(exc_type, exc, tb):
+    """Unhandled exception on one agent: print it and take the whole MPI job down."""
+    traceback.print_exception(exc_type, exc, tb)
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized() and _state.size > 1:
+        rank = _state.rank
+        sys.stderr.write(f"bluefog_lite: uncaught exception on rank {rank}; aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _thread_excepthook(args):
+    _abort_on_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def _machine_layout(comm):
+    """local comm and machine numbering; BLUEFOG_RANKS_PER_MACHINE emulates machines on one host."""
+    per_machine = os.environ.get("BLUEFOG_RANKS_PER_MACHINE")
+    if per_machine:
+        try:
+            k = int(per_machine)
+        except ValueError:
+            k = 0
+        if k <= 0:
+            raise ValueError(f"BLUEFOG_RANKS_PER_MACHINE must be a positive integer, got {per_machine!r}")
+        local = comm.Split(color=comm.rank // k, key=comm.rank)
+    else:
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    leaders = comm.Split(color=0 if local.rank == 0 else MPI.UNDEFINED, key=comm.rank)
+    machine = (leaders.rank, leaders.size) if local.rank == 0 else None
+    if leaders != MPI.COMM_NULL:
+        leaders.Free()
+    machine_rank, machine_size = local.bcast(machine, root=0)
+    layout = comm.allgather((machine_rank, local.rank, local.size))
+    return local, machine_rank, machine_size, layout
+
+
+def _set_compute_threads(local_size):
+    """Ranks that share cores must not each start a full BLAS/OpenMP pool (LIMITS.md point 2)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // max(1, local_size)))
+
+
+def init(topology_fn=None, is_weighted=False):
+    """Start MPI (if needed), the communication thread and the default topology.
+
+    topology_fn: callable size -> networkx.DiGraph; default ExponentialGraph(size).
+    """
+    from . import _engine
+    if _state.initialized:
+        return
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    comm = MPI.COMM_WORLD.Dup()
+    _state.comm = comm
+    _state.rank, _state.size = comm.rank, comm.size
+    local, _state.machine_rank, _state.machine_size, layout = _machine_layout(comm)
+    _state.homogeneous = len({n for _, _, n in layout}) == 1
+    _state.rank_of = {(m, l): r for r, (m, l, _) in enumerate(layout)}
+    _state.local_ranks = sorted(r for r, (m, _, _) in enumerate(layout) if m == _state.machine_rank)
+    _state.local_rank, _state.local_size = local.rank, local.size
+    local.Free()
+    _set_compute_threads(_state.local_size)
+    sys.excepthook = _abort_on_uncaught
+    threading.excepthook = _thread_excepthook
+    _state.engine = _engine.Engine(comm.Dup(), _state.rank, _state.size)
+    _state.initialized = True
+    _state.shut_down = False
+    G = topology_fn(_state.size) if topology_fn is not None else _topo.ExponentialGraph(_state.size)
+    _install_topology(G, is_weighted)
+    _install_machine_topology(_topo.ExponentialGraph(_state.machine_size), False)
+    _start_timeline_if_requested()
+    atexit.register(shutdown)
+
+
+def _start_timeline_if_requested():
+    from .timeline import _control
+    _control.start_from_environment()
+
+
+def shutdown():
+    """Finish in-flight work, stop the communication thread, free windows."""
+    if not _state.initialized:
+        return
+    from .timeline import _control
+    from . import windows
+    windows.win_free()
+    _state.engine.stop()
+    _control.stop_timeline()
+    _state.engine = None
+    _state.comm.Free()
+    _state.comm = None
+    _state.initialized = False
+    _state.shut_down = True
+    sys.excepthook = sys.__excepthook__
+    threading.excepthook = threading.__excepthook__
+
+
+def rank():
+    return state().rank
+
+
+def size():
+    return state().size
+
+
+def local_rank():
+    return state().local_rank
+
+
+def local_size():
+    return state().local_size
+
+
+def machine_rank():
+    return state().machine_rank
+
+
+def machine_size():
+    return state().machine_size
+
+
+def is_homogeneous():
+    return state().homogeneous
+
+
+def mpi_threads_supported():
+    state()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+# ---- topology -------------------------------------------------------------
+
+def _validate_graph(G, n, what):
+    if not isinstance(G, nx.Graph):
+        raise TypeError(f"{what} must be a networkx.DiGraph, got {type(G).__name__}")
+    if G.number_of_nodes() != n or set(G.nodes) != set(range(n)):
+        raise ValueError(f"{what} must have nodes 0..{n - 1} (one per agent), "
+                         f"got {G.number_of_nodes()} nodes")
+    return G if G.is_directed() else G.to_directed()
+
+
+class _Topology:
+    """A graph with the derived per-rank neighbor lists and default weights."""
+
+    def __init__(self, G, me, is_weighted):
+        self.graph = G
+        self.is_weighted = is_weighted
+        self.in_ranks = sorted(r for r in G.predecessors(me) if r != me)
+        self.out_ranks = sorted(r for r in G.successors(me) if r != me)
+        if is_weighted:
+            self.self_weight, self.src_weights = _topo.GetRecvWeights(G, me)
+        else:
+            w = 1.0 / (len(self.in_ranks) + 1)
+            self.self_weight, self.src_weights = w, {r: w for r in self.in_ranks}
+
+
+def _install_topology(G, is_weighted):
+    _state.topology = _Topology(G, _state.rank, is_weighted)
+    _state.is_weighted = is_weighted
+
+
+def _install_machine_topology(G, is_weighted):
+    _state.machine_topology = _Topology(G, _state.machine_rank, is_weighted)
+
+
+def _fingerprint(G):
+    return np.round(_topo.mixing_matrix(G), 12).tobytes()
+
+
+def set_topology(topology=None, is_weighted=False):
+    """Replace the static topology (collective). Returns False, with a warning,
+    while windows exist or operations are in flight on any agent."""
+    st = state()
+    G = _topo.ExponentialGraph(st.size) if topology is None else _validate_graph(topology, st.size, "topology")
+    busy = bool(st.windows) or st.engine.has_pending()
+    from .ops import _allgather_object
+    views = _allgather_object((busy, _fingerprint(G)), name="set_topology")
+    if any(b for b, _ in views):
+        warnings.warn("set_topology refused: windows exist or operations are in flight "
+                      "(free windows with win_free() and synchronize handles first)")
+        return False
+    if any(fp != views[0][1] for _, fp in views):
+        raise ValueError("set_topology: agents passed different graphs; every agent must set the same topology")
+    _install_topology(G, is_weighted)
+    return True
+
+
+def load_topology():
+    return state().topology.graph
+
+
+def is_topo_weighted():
+    return state().topology.is_weighted
+
+
+def in_neighbor_ranks():
+    return list(state().topology.in_ranks)
+
+
+def out_neighbor_ranks():
+    return list(state().topology.out_ranks)
+
+
+def set_machine_topology(topology, is_weighted=False):
+    """Topology among machines, used by hierarchical_neighbor_allreduce (collective)."""
+    st = state()
+    G = _validate_graph(topology, st.machine_size, "machine topology")
+    from .ops import _allgather_object
+    views = _allgather_object(_fingerprint(G), name="set_machine_topology")
+    if any(fp != views[0] for fp in views):
+        raise ValueError("set_machine_topology: agents passed different graphs")
+    _install_machine_topology(G, is_weighted)
+    return True
+
+
+def load_machine_topology():
+    return state().machine_topology.graph
+
+
+def in_neighbor_machine_ranks():
+    return list(state().machine_topology.in_ranks)
+
+
+def out_neighbor_machine_ranks():
+    return list(state().machine_topology.out_ranks)

@@ -1,0 +1,213 @@
+"""The per-neighbor message stream: packing many small tensors into one MPI message
+(tensor fusion), self-describing packets, and the inbox that matches what arrived to
+the operations that wait for it.
+
+Every piece of data one agent sends another travels as an *entry* of a packet on
+STREAM_TAG: ``(key, meta, loc)`` where ``key`` names the operation (its name, or a
+collective sequence number), ``meta`` is ``(dtype, shape)`` for a tensor or the
+object itself, and ``loc`` says where the bytes are: inline in the packet, or in a
+separate message on a private tag (large tensors, sent straight from the user's
+memory with no copy). MPI keeps messages between two agents on one tag in order,
+so entries of one key arrive in the order they were sent; an entry that arrives
+before the local operation asks for it waits in the inbox.
+"""
+import collections
+import pickle
+import struct
+
+import numpy as np
+import torch
+
+from ._mpi import MPI
+
+STREAM_TAG = 1
+_FIRST_DATA_TAG = 2
+_DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20)
+_ALIGN = 64
+_HEAD = struct.Struct("<Q")
+
+_KIND_TENSOR, _KIND_OBJECT = 0, 1
+
+
+def _aligned(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def tensor_bytes(t):
+    """A flat uint8 numpy view of a contiguous CPU tensor (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+def _dtype_name(t):
+    return str(t.dtype).replace("torch.", "")
+
+
+class Entry:
+    """One received item. ``value`` is a tensor (a view into the packet or a
+    private buffer) or an object; ``ready`` turns True when its bytes are in."""
+    __slots__ = ("src", "key", "meta", "is_tensor", "value", "ready", "_release")
+
+    def __init__(self, src, key, meta, is_tensor):
+        self.src, self.key, self.meta, self.is_tensor = src, key, meta, is_tensor
+        self.value, self.ready, self._release = None, False, None
+
+    def describe(self):
+        if not self.is_tensor:
+            return "object"
+        dtype, shape = self.meta
+        return f"{dtype}{list(shape)}"
+
+    def release(self):
+        if self._release is not None:
+            self._release()
+            self._release = None
+        self.value = None
+
+
+def _as_tensor(raw, meta):
+    dtype, shape = meta
+    tdt = getattr(torch, dtype)
+    if raw.size == 0:
+        return torch.empty(shape, dtype=tdt)
+    return torch.from_numpy(raw).view(tdt).reshape(shape)
+
+
+class Outbox:
+    """What one agent will send to one destination in the next flush."""
+    __slots__ = ("entries", "inline_bytes", "payloads")
+
+    def __init__(self):
+        self.entries, self.payloads, self.inline_bytes = [], [], 0
+
+
+class StreamEndpoint:
+    """Packs outgoing entries per destination and unpacks incoming packets.
+
+    Used only from the communication thread."""
+
+    def __init__(self, comm, fusion_threshold, inline_limit, pool):
+        self.comm = comm
+        self.fusion_threshold = fusion_threshold
+        self.inline_limit = inline_limit
+        self.pool = pool
+        self.outboxes = {}
+        self.inbox = collections.defaultdict(collections.deque)   # (src, key) -> deque[Entry]
+        self._next_tag = collections.defaultdict(int)
+        self.pending_recvs = []   # (request, entry)
+        self.sent_packets = []    # (request, packet) kept alive until sent
+
+    # ---- sending -------------------------------------------------------
+    def queue_tensor(self, dst, key, t, data_requests):
+        """Queue contiguous tensor ``t`` for ``dst``. Large tensors get their own
+        message (its request is appended to ``data_requests``); small ones go inline."""
+        box = self.outboxes.get(dst)
+        if box is None:
+            box = self.outboxes[dst] = Outbox()
+        meta = (_dtype_name(t), tuple(t.shape))
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= self.inline_limit:
+            if box.inline_bytes + nbytes > self.fusion_threshold and box.entries:
+                self.flush_one(dst)
+                box = self.outboxes[dst] = Outbox()
+            box.entries.append((key, _KIND_TENSOR, meta, ("i", box.inline_bytes, nbytes)))
+            box.payloads.append(t)
+            box.inline_bytes += _aligned(nbytes)
+            return
+        tag = _FIRST_DATA_TAG + self._next_tag[dst] % _DATA_TAGS
+        self._next_tag[dst] += 1
+        box.entries.append((key, _KIND_TENSOR, meta, ("t", tag, nbytes)))
+        # The descriptor must be posted before the data so the receiver learns the tag.
+        self.flush_one(dst)
+        data_requests.append((self.comm.Isend([tensor_bytes(t), nbytes, MPI.BYTE], dst, tag), t))
+
+    def queue_object(self, dst, key, obj):
+        box = self.outboxes.get(dst)
+        if box is None:
+            box = self.outboxes[dst] = Outbox()
+        box.entries.append((key, _KIND_OBJECT, obj, None))
+
+    def flush_one(self, dst):
+        """Send dst's pending entries as one packet; returns (request, packet)."""
+        box = self.outboxes.pop(dst, None)
+        if box is None or not box.entries:
+            return None
+        header = pickle.dumps(box.entries, protocol=pickle.HIGHEST_PROTOCOL)
+        start = _aligned(_HEAD.size + len(header))
+        packet = np.empty(start + box.inline_bytes, dtype=np.uint8)
+        _HEAD.pack_into(packet, 0, len(header))
+        packet[_HEAD.size:_HEAD.size + len(header)] = np.frombuffer(header, np.uint8)
+        i = 0
+        for _key, kind, _meta, loc in box.entries:
+            if kind == _KIND_TENSOR and loc[0] == "i":
+                off, n = loc[1], loc[2]
+                if n:
+                    packet[start + off:start + off + n] = tensor_bytes(box.payloads[i])
+                i += 1
+        req = self.comm.Isend([packet, MPI.BYTE], dst, STREAM_TAG)
+        self.sent_packets.append((req, packet))
+        return req
+
+    def flush_all(self):
+        sent = False
+        for dst in list(self.outboxes):
+            sent |= self.flush_one(dst) is not None
+        return sent
+
+    # ---- receiving -----------------------------------------------------
+    def receive(self, status):
+        """Drain every packet that has arrived; returns True if any did."""
+        got = False
+        while True:
+            msg = self.comm.Improbe(MPI.ANY_SOURCE, STREAM_TAG, status)
+            if msg is None:
+                return got
+            got = True
+            src = status.Get_source()
+            packet = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            msg.Recv([packet, MPI.BYTE])
+            self._unpack(src, packet)
+
+    def _unpack(self, src, packet):
+        (hlen,) = _HEAD.unpack_from(packet, 0)
+        entries = pickle.loads(packet[_HEAD.size:_HEAD.size + hlen].tobytes())
+        start = _aligned(_HEAD.size + hlen)
+        for key, kind, meta, loc in entries:
+            entry = Entry(src, key, meta, kind == _KIND_TENSOR)
+            if kind == _KIND_OBJECT:
+                entry.value, entry.ready = meta, True
+            elif loc[0] == "i":
+                raw = packet[start + loc[1]:start + loc[1] + loc[2]]
+                entry.value, entry.ready = _as_tensor(raw, meta), True
+            else:
+                buf, entry._release = self.pool.take(loc[2])
+                entry.value = _as_tensor(buf, meta)
+                req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
+                self.pending_recvs.append((req, entry))
+            self.inbox[(src, key)].append(entry)
+
+    def test_recvs(self):
+        """Mark large-tensor entries whose bytes have arrived as ready."""
+        if not self.pending_recvs:
+            return False
+        still, done = [], False
+        for req, entry in self.pending_recvs:
+            if req.Test():
+                entry.ready = done = True
+            else:
+                still.append((req, entry))
+        self.pending_recvs = still
+        return done
+
+    def take(self, src, key):
+        """Pop the oldest ready entry for (src, key), or None."""
+        q = self.inbox.get((src, key))
+        if not q or not q[0].ready:
+            return None
+        entry = q.popleft()
+        if not q:
+            del self.inbox[(src, key)]
+        return entry
+
+    def has(self, src, key):
+        q = self.inbox.get((src, key))
+        return bool(q) and q[0].ready

@@ -1,0 +1,338 @@
+"""What each operation does on the communication thread.
+
+Each task is a generator run by the engine: it queues sends, ``yield``s what it
+waits for (``Recv``, ``Turn``, ``Requests``) and returns the result. Inputs were
+validated by ops.py; the checks here are the ones only the received data allows
+(shapes and dtypes of neighbors, the order of collectives).
+"""
+import torch
+
+from ._engine import Recv, Requests, Turn
+from ._mpi import MPI
+from ._stream import tensor_bytes
+from .timeline import _recorder as tl
+
+
+class _Phase:
+    """A timeline sub-phase on the communication thread (stays open across yields)."""
+    __slots__ = ("name", "activity")
+
+    def __init__(self, name, activity):
+        self.name, self.activity = name, activity
+
+    def __enter__(self):
+        tl.begin(self.name, self.activity)
+
+    def __exit__(self, *exc):
+        tl.end(self.name)
+
+
+def _describe(t):
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def _check_same(op, x, entries, what="shape and dtype"):
+    mine = _describe(x)
+    for e in entries:
+        if not e.is_tensor or e.describe() != mine:
+            raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
+                             f"has {mine}; neighbors must pass tensors of the same {what}")
+
+
+def _weighted_sum(out, x, self_weight, terms):
+    """out = self_weight * x + sum(w * v); integers are summed in float64 and rounded."""
+    if out.is_floating_point() or out.is_complex():
+        torch.mul(x, self_weight, out=out)
+        for v, w in terms:
+            if w != 0:
+                out.add_(v, alpha=w)
+        return out
+    acc = x.to(torch.float64).mul_(self_weight)
+    for v, w in terms:
+        if w != 0:
+            acc.add_(v.to(torch.float64), alpha=w)
+    return out.copy_(acc.round_())
+
+
+def _release(entries):
+    for e in entries:
+        e.release()
+
+
+# ---- collective header exchange -------------------------------------------
+
+def exchange_headers(eng, op, payload):
+    """All-to-all exchange of a small object among all agents (the negotiation of a
+    collective). Raises the same error on every agent when the agents called
+    different collectives at this point of their sequence."""
+    seq = eng.next_collective(op)
+    me = (op.kind, op.name, payload)
+    if eng.size == 1:
+        return [payload]
+    key = ("C", seq)
+    others = [r for r in range(eng.size) if r != eng.rank]
+    for r in others:
+        eng.send_object(r, key, me)
+    with _Phase(op.name, "NEGOTIATION"):
+        entries = yield Recv([(r, key) for r in others])
+    views = [None] * eng.size
+    views[eng.rank] = me
+    for e in entries:
+        views[e.src] = e.value
+    calls = [(kind, name) for kind, name, _ in views]
+    if len(set(calls)) != 1:
+        listing = ", ".join(f"rank {r}: {k} {n!r}" for r, (k, n) in enumerate(calls))
+        raise RuntimeError(f"collective operations were called in a different order on different "
+                           f"agents (collective #{seq}: {listing}); every agent must issue "
+                           "collectives in the same order with the same names")
+    return [v[2] for v in views]
+
+
+def allgather_object(eng, op, obj):
+    views = yield from exchange_headers(eng, op, obj)
+    eng.posted_collective(op)
+    return views
+
+
+def _same_meta_or_raise(op, views, describe):
+    if len(set(views)) != 1:
+        listing = ", ".join(f"rank {r}: {describe(v)}" for r, v in enumerate(views))
+        raise ValueError(f"{op.kind} {op.name!r}: agents passed different tensors ({listing}); "
+                         "all agents must pass the same shape and dtype")
+
+
+def _meta_text(meta):
+    return f"{meta[0]}{list(meta[1])}"
+
+
+def _meta(t):
+    return (str(t.dtype).replace("torch.", ""), tuple(t.shape))
+
+
+# ---- collectives -----------------------------------------------------------
+
+def allreduce(eng, op, x, average, target):
+    """target: the tensor to write into (allreduce_) or None for a new one."""
+    views = yield from exchange_headers(eng, op, _meta(x))
+    _same_meta_or_raise(op, views, _meta_text)
+    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+        out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
+    yield Turn(op.coll_seq)
+    with _Phase(op.name, "COMMUNICATE"):
+        if out.numel():
+            src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
+            req = eng.comm.Iallreduce(src, out.numpy(), MPI.SUM)
+            eng.posted_collective(op)
+            yield Requests([req], "MPI_Iallreduce")
+        eng.posted_collective(op)
+    if average:
+        with _Phase(op.name, "COMPUTE_AVERAGE"):
+            if out.is_floating_point():
+                out.div_(eng.size)
+            else:
+                out.copy_(torch.div(out, eng.size, rounding_mode="floor"))
+    if target is not None and out is not target:
+        target.copy_(out)
+        return target
+    return out
+
+
+def broadcast(eng, op, x, root, target):
+    views = yield from exchange_headers(eng, op, (root, _meta(x)))
+    _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
+    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+        if target is not None and target.is_contiguous():
+            out = target
+        else:
+            out = torch.empty_like(x)
+        if eng.rank == root and out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+    yield Turn(op.coll_seq)
+    with _Phase(op.name, "COMMUNICATE"):
+        if out.numel():
+            req = eng.comm.Ibcast([tensor_bytes(out), MPI.BYTE], root=root)
+            eng.posted_collective(op)
+            yield Requests([req], "MPI_Ibcast")
+        eng.posted_collective(op)
+    if target is not None and out is not target:
+        target.copy_(out)
+        return target
+    return out
+
+
+def allgather(eng, op, x):
+    views = yield from exchange_headers(eng, op, _meta(x))
+    kinds = [(dt, shape[1:]) for dt, shape in views]
+    if len(set(kinds)) != 1 or any(len(shape) == 0 for _, shape in views):
+        listing = ", ".join(f"rank {r}: {_meta_text(v)}" for r, v in enumerate(views))
+        raise ValueError(f"{op.kind} {op.name!r}: tensors must have at least one dimension and agree "
+                         f"on dtype and all dimensions but the first ({listing})")
+    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+        firsts = [shape[0] for _, shape in views]
+        out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)
+        row = x[0].numel() * x.element_size() if x.shape[0] else _row_bytes(x)
+        counts = [f * row for f in firsts]
+        displs = [sum(counts[:r]) for r in range(len(counts))]
+    yield Turn(op.coll_seq)
+    with _Phase(op.name, "COMMUNICATE"):
+        if out.numel():
+            req = eng.comm.Iallgatherv([tensor_bytes(x), counts[eng.rank], MPI.BYTE],
+                                       [tensor_bytes(out), (counts, displs), MPI.BYTE])
+            eng.posted_collective(op)
+            yield Requests([req], "MPI_Iallgatherv")
+        eng.posted_collective(op)
+    return out
+
+
+def _row_bytes(x):
+    n = x.element_size()
+    for d in x.shape[1:]:
+        n *= d
+    return n
+
+
+# ---- neighbor operations ---------------------------------------------------
+
+def _topology_check(eng, op, sends, recvs):
+    """Every send must have a matching receive and vice versa (collective)."""
+    views = yield from exchange_headers(eng, op, (sorted(sends), sorted(recvs)))
+    eng.posted_collective(op)
+    problems = []
+    for i, (s_i, _) in enumerate(views):
+        for j in s_i:
+            if i not in views[j][1]:
+                problems.append(f"rank {i} sends to rank {j} but rank {j} does not receive from it")
+    for j, (_, r_j) in enumerate(views):
+        for i in r_j:
+            if j not in views[i][0]:
+                problems.append(f"rank {j} receives from rank {i} but rank {i} does not send to it")
+    if problems:
+        raise ValueError(f"{op.kind} {op.name!r}: send/receive ranks do not match across agents: "
+                         + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+
+
+def _send_all(eng, op, key, x, send_plan):
+    for dst, scale in send_plan:
+        eng.send_tensor(op, dst, key, x if scale is None else _scaled(x, scale))
+
+
+def _scaled(x, scale):
+    if x.is_floating_point() or x.is_complex():
+        return x * scale
+    return torch.round(x.to(torch.float64) * scale).to(x.dtype)
+
+
+def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_from, check):
+    """send_plan: [(dst, scale or None)]; src_weights: {src: weight} for src in recv_from."""
+    name = op.name
+    if check:
+        yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
+    with _Phase(name, "ALLOCATE_OUTPUT"):
+        out = torch.empty_like(x)
+    with _Phase(name, "COMMUNICATE"):
+        _send_all(eng, op, name, x, send_plan)
+        entries = yield Recv([(src, name) for src in recv_from])
+    try:
+        _check_same(op, x, entries)
+        with _Phase(name, "COMPUTE_AVERAGE"):
+            return _weighted_sum(out, x, self_weight,
+                                 [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
+    finally:
+        _release(entries)
+
+
+def neighbor_allgather(eng, op, x, send_to, recv_from, check):
+    name = op.name
+    if check:
+        yield from _topology_check(eng, op, send_to, recv_from)
+    with _Phase(name, "COMMUNICATE"):
+        _send_all(eng, op, name, x, [(d, None) for d in send_to])
+        entries = yield Recv([(src, name) for src in recv_from])
+    try:
+        trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
+        for e in entries:
+            if not e.is_tensor or (e.meta[0], tuple(e.meta[1][1:])) != trail or not e.meta[1]:
+                raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
+                                 f"has {_describe(x)}; tensors must agree on dtype and all "
+                                 "dimensions but the first")
+        with _Phase(name, "ALLOCATE_OUTPUT"):
+            if not entries:
+                return x.new_empty((0,) + tuple(x.shape[1:]))
+            return torch.cat([e.value for e in entries], dim=0)
+    finally:
+        _release(entries)
+
+
+def pair_gossip(eng, op, x, target, self_weight, pair_weight):
+    name = op.name
+    with _Phase(name, "ALLOCATE_OUTPUT"):
+        out = torch.empty_like(x)
+    with _Phase(name, "COMMUNICATE"):
+        eng.send_tensor(op, target, name, x)
+        entries = yield Recv([(target, name)])
+    try:
+        _check_same(op, x, entries)
+        with _Phase(name, "COMPUTE_AVERAGE"):
+            return _weighted_sum(out, x, self_weight, [(entries[0].value, pair_weight)])
+    finally:
+        _release(entries)
+
+
+def _machine_sum(eng, op, x, local_ranks):
+    """The sum of x over the agents of this machine, added in rank order so that
+    every local agent gets bitwise the same value (float64 for integer inputs)."""
+    key = (op.name, "local")
+    peers = [r for r in local_ranks if r != eng.rank]
+    with _Phase(op.name, "COMMUNICATE"):
+        for r in peers:
+            eng.send_tensor(op, r, key, x)
+        local = yield Recv([(r, key) for r in peers])
+    try:
+        _check_same(op, x, local)
+        by_rank = {e.src: e.value for e in local}
+        by_rank[eng.rank] = x
+        acc_dtype = x.dtype if x.is_floating_point() else torch.float64
+        with _Phase(op.name, "COMPUTE_AVERAGE"):
+            total = torch.zeros(x.shape, dtype=acc_dtype)
+            for r in sorted(by_rank):
+                total.add_(by_rank[r].to(acc_dtype))
+        return total
+    finally:
+        _release(local)
+
+
+def _cast_back(acc, x):
+    return acc if acc.dtype == x.dtype else acc.round_().to(x.dtype)
+
+
+def local_allreduce(eng, op, x, local_ranks, average):
+    total = yield from _machine_sum(eng, op, x, local_ranks)
+    if average:
+        if x.is_floating_point():
+            total.div_(len(local_ranks))
+        else:
+            total = torch.div(total, len(local_ranks), rounding_mode="floor")
+    return _cast_back(total, x)
+
+
+def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_weights,
+                                    send_plan, recv_from, check):
+    """Sum within the machine, exchange the machine sums with the same local rank
+    of neighbor machines, weight them, divide by the agents per machine."""
+    if check:
+        yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
+    machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
+    key = (op.name, "machine")
+    with _Phase(op.name, "COMMUNICATE"):
+        _send_all(eng, op, key, machine_sum, send_plan)
+        remote = yield Recv([(src, key) for src in recv_from])
+    try:
+        _check_same(op, machine_sum, remote)
+        with _Phase(op.name, "COMPUTE_AVERAGE"):
+            acc = torch.empty_like(machine_sum)
+            _weighted_sum(acc, machine_sum, self_weight,
+                          [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
+            acc.div_(len(local_ranks))
+            return _cast_back(acc, x)
+    finally:
+        _release(remote)

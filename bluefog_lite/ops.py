@@ -1,0 +1,338 @@
+"""Collective and neighbor operations: validate, name, enqueue.
+
+Every operation has a ``*_nonblocking`` form that returns a handle; the blocking
+form is literally ``synchronize(<nonblocking form>)``. The MPI part runs on the
+communication thread (_engine.py, _tasks.py).
+"""
+import math
+import numbers
+
+import torch
+
+from . import _tasks
+from ._runtime import state
+
+_REDUCIBLE = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.uint8}
+_name_counters = {}
+
+
+# ---- argument checks ---------------------------------------------------------
+
+def _tensor(t, what="tensor"):
+    """The contiguous CPU tensor to send (a copy only if t is not contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what} is on device {t.device}; bluefog_lite operations take CPU tensors "
+                        "(move it with .cpu() first)")
+    if t.is_sparse:
+        raise TypeError(f"{what} is sparse; pass a dense tensor")
+    return t.detach().contiguous()
+
+
+def _numeric(t, op):
+    if t.dtype == torch.bool:
+        raise TypeError(f"{op} cannot average bool tensors; convert to a numeric dtype")
+    return t
+
+
+def _weight(w, what):
+    if isinstance(w, bool) or not isinstance(w, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {w!r}")
+    w = float(w)
+    if not math.isfinite(w):
+        raise ValueError(f"{what} must be finite, got {w}")
+    return w
+
+
+def _rank(r, what, size, me=None):
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+        raise TypeError(f"{what} must be an integer rank, got {r!r}")
+    r = int(r)
+    if not 0 <= r < size:
+        raise ValueError(f"{what} {r} is out of range: there are {size} agents (ranks 0..{size - 1})")
+    if me is not None and r == me:
+        raise ValueError(f"{what} {r} is this agent itself; self is weighted with self_weight")
+    return r
+
+
+def _weight_dict(d, what, size, me):
+    if isinstance(d, dict):
+        return {_rank(r, f"rank in {what}", size, me): _weight(w, f"{what}[{r}]") for r, w in d.items()}
+    if isinstance(d, (list, tuple, set, range)):
+        ranks = [_rank(r, f"rank in {what}", size, me) for r in d]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{what} lists a rank twice: {sorted(ranks)}")
+        return {r: 1.0 for r in ranks}
+    raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks, got {type(d).__name__}")
+
+
+def _rank_list(ranks, what, size, me):
+    return sorted(_weight_dict(list(ranks), what, size, me))
+
+
+def _op_name(name, kind):
+    if name is None:
+        n = _name_counters.get(kind, 0)
+        _name_counters[kind] = n + 1
+        return f"{kind.lower()}.noname.{n}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _submit(kind, name, make_task):
+    st = state()
+    eng = st.engine
+    return eng.submit(_op_name(name, kind), kind, lambda op: make_task(eng, op))
+
+
+# ---- handles ---------------------------------------------------------------------
+
+def poll(handle):
+    """True when the operation behind handle has finished (result ready)."""
+    return state().engine.poll(handle)
+
+
+def synchronize(handle):
+    """Wait for the operation, free the handle, return its result (or raise its error)."""
+    return state().engine.synchronize(handle)
+
+
+wait = synchronize
+
+
+# ---- collectives -------------------------------------------------------------------
+
+def _reducible(t, kind):
+    if t.dtype not in _REDUCIBLE:
+        raise TypeError(f"{kind.lower()} supports {sorted(str(d) for d in _REDUCIBLE)}, got {t.dtype}")
+    return t
+
+
+def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
+    x = _reducible(_tensor(tensor), "ALLREDUCE")
+    st = state()
+    if is_hierarchical_local:
+        return _submit("ALLREDUCE", name, lambda e, op: _tasks.local_allreduce(
+            e, op, x, st.local_ranks, average))
+    return _submit("ALLREDUCE", name, lambda e, op: _tasks.allreduce(e, op, x, average, None))
+
+
+def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
+    return synchronize(allreduce_nonblocking(tensor, average, is_hierarchical_local, name))
+
+
+def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
+    """In place: the result is written into tensor."""
+    x = _reducible(_tensor(tensor), "ALLREDUCE")
+    if is_hierarchical_local:
+        st = state()
+
+        def task(e, op):
+            out = yield from _tasks.local_allreduce(e, op, x, st.local_ranks, average)
+            return tensor.detach().copy_(out)
+        return _submit("ALLREDUCE", name, task)
+    return _submit("ALLREDUCE", name, lambda e, op: _tasks.allreduce(e, op, x, average, tensor.detach()))
+
+
+def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
+    return synchronize(allreduce_nonblocking_(tensor, average, is_hierarchical_local, name))
+
+
+def broadcast_nonblocking(tensor, root_rank, name=None):
+    x = _tensor(tensor)
+    root = _rank(root_rank, "root_rank", state().size)
+    return _submit("BROADCAST", name, lambda e, op: _tasks.broadcast(e, op, x, root, None))
+
+
+def broadcast(tensor, root_rank, name=None):
+    return synchronize(broadcast_nonblocking(tensor, root_rank, name))
+
+
+def broadcast_nonblocking_(tensor, root_rank, name=None):
+    x = _tensor(tensor)
+    root = _rank(root_rank, "root_rank", state().size)
+    return _submit("BROADCAST", name, lambda e, op: _tasks.broadcast(e, op, x, root, tensor.detach()))
+
+
+def broadcast_(tensor, root_rank, name=None):
+    return synchronize(broadcast_nonblocking_(tensor, root_rank, name))
+
+
+def allgather_nonblocking(tensor, name=None):
+    x = _tensor(tensor)
+    if x.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
+    return _submit("ALLGATHER", name, lambda e, op: _tasks.allgather(e, op, x))
+
+
+def allgather(tensor, name=None):
+    return synchronize(allgather_nonblocking(tensor, name))
+
+
+def _allgather_object(obj, name=None):
+    """Every agent's obj, in rank order (collective; used for negotiation)."""
+    return synchronize(_submit("ALLGATHER", name, lambda e, op: _tasks.allgather_object(e, op, obj)))
+
+
+def barrier():
+    """Block until every agent has reached the barrier."""
+    _allgather_object(None, name=None)
+
+
+# ---- neighbor operations -----------------------------------------------------------
+
+def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind):
+    if (self_weight is None) != (src_weights is None):
+        raise ValueError(f"{kind}: self_weight and src_weights must be given together (or neither)")
+    if self_weight is None:
+        return topo.self_weight, dict(topo.src_weights)
+    return _weight(self_weight, "self_weight"), _weight_dict(src_weights, "src_weights", size, me)
+
+
+def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind):
+    """(self_weight, src_weights, send_plan, recv_from, dynamic) for a neighbor op."""
+    sw, srcw = _static_or_given_weights(self_weight, src_weights, topo, size, me, kind)
+    if dst_weights is None:
+        stray = sorted(set(srcw) - set(topo.in_ranks))
+        if stray:
+            raise ValueError(f"{kind}: src_weights names ranks {stray} that are not in-neighbors "
+                             f"{topo.in_ranks} of this agent in the static topology; pass dst_weights "
+                             "for a dynamic topology")
+        return sw, srcw, [(d, None) for d in topo.out_ranks], list(topo.in_ranks), False
+    if self_weight is None:
+        raise ValueError(f"{kind}: dynamic mode (dst_weights given) needs self_weight and src_weights too")
+    dstw = _weight_dict(dst_weights, "dst_weights", size, me)
+    plan = [(d, None if w == 1.0 else w) for d, w in sorted(dstw.items())]
+    return sw, srcw, plan, sorted(srcw), True
+
+
+def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
+                                   enable_topo_check=True, name=None):
+    """Weighted average with neighbors: self_weight*x + sum_j src_weights[j]*x_j.
+
+    Without weights: the static topology (graph weights if it is weighted,
+    else uniform 1/(in-degree+1)). dst_weights (list or {rank: weight}) selects
+    dynamic mode: send to those ranks (scaled by the weight), receive from the
+    keys of src_weights."""
+    x = _numeric(_tensor(tensor), "neighbor_allreduce")
+    st = state()
+    sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
+                                               st.size, st.rank, "neighbor_allreduce")
+    check = bool(enable_topo_check) and dynamic
+    return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _tasks.neighbor_allreduce(
+        e, op, x, sw, srcw, plan, recv_from, check))
+
+
+def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
+                       enable_topo_check=True, name=None):
+    return synchronize(neighbor_allreduce_nonblocking(
+        tensor, self_weight=self_weight, src_weights=src_weights, dst_weights=dst_weights,
+        enable_topo_check=enable_topo_check, name=name))
+
+
+def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True,
+                                   name=None):
+    """Concatenate (dim 0) the tensors of the in-neighbors (or src_ranks), in that order."""
+    x = _tensor(tensor)
+    if x.dim() == 0:
+        raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
+    st = state()
+    if (src_ranks is None) != (dst_ranks is None):
+        raise ValueError("neighbor_allgather: src_ranks and dst_ranks must be given together (or neither)")
+    if src_ranks is None:
+        send_to, recv_from, dynamic = st.topology.out_ranks, st.topology.in_ranks, False
+    else:
+        send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
+        recv_from = list(dict.fromkeys(_rank(r, "rank in src_ranks", st.size, st.rank) for r in src_ranks))
+        dynamic = True
+    check = bool(enable_topo_check) and dynamic
+    return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _tasks.neighbor_allgather(
+        e, op, x, list(send_to), list(recv_from), check))
+
+
+def neighbor_allgather(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
+    return synchronize(neighbor_allgather_nonblocking(
+        tensor, src_ranks=src_ranks, dst_ranks=dst_ranks, enable_topo_check=enable_topo_check, name=name))
+
+
+def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_machine_weights=None,
+                                                dst_machine_weights=None, enable_topo_check=False,
+                                                name=None):
+    """Sum within each machine, weighted exchange of machine sums between neighbor
+    machines (machine topology or the given machine weights), divide by the agents
+    per machine."""
+    x = _numeric(_tensor(tensor), "hierarchical_neighbor_allreduce")
+    st = state()
+    if not st.homogeneous:
+        raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
+    sw, srcw, plan, recv_from, dynamic = _plan(
+        self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
+        st.machine_rank, "hierarchical_neighbor_allreduce")
+    to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
+    plan = [(to_rank(m), w) for m, w in plan]
+    srcw = {to_rank(m): w for m, w in srcw.items()}
+    recv_from = [to_rank(m) for m in recv_from]
+    check = bool(enable_topo_check) and dynamic
+    return _submit("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name,
+                   lambda e, op: _tasks.hierarchical_neighbor_allreduce(
+                       e, op, x, st.local_ranks, sw, srcw, plan, recv_from, check))
+
+
+def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_weights=None,
+                                    dst_machine_weights=None, enable_topo_check=False, name=None):
+    return synchronize(hierarchical_neighbor_allreduce_nonblocking(
+        tensor, self_weight=self_weight, src_machine_weights=src_machine_weights,
+        dst_machine_weights=dst_machine_weights, enable_topo_check=enable_topo_check, name=name))
+
+
+def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
+    """self_weight*x + pair_weight*x_target with one peer (both call it); default ½, ½."""
+    x = _numeric(_tensor(tensor), "pair_gossip")
+    st = state()
+    target = _rank(target_rank, "target_rank", st.size, st.rank)
+    if (self_weight is None) != (pair_weight is None):
+        raise ValueError("pair_gossip: self_weight and pair_weight must be given together (or neither)")
+    sw = 0.5 if self_weight is None else _weight(self_weight, "self_weight")
+    pw = 0.5 if pair_weight is None else _weight(pair_weight, "pair_weight")
+    return _submit("PAIR_GOSSIP", name, lambda e, op: _tasks.pair_gossip(e, op, x, target, sw, pw))
+
+
+def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
+    return synchronize(pair_gossip_nonblocking(tensor, target_rank, self_weight, pair_weight, name))
+
+
+# ---- topology inference (collective) ------------------------------------------------
+
+def _adjacency(lists, size, outgoing):
+    W = torch.zeros(size, size)
+    for r, ranks in enumerate(lists):
+        for o in ranks:
+            if outgoing:
+                W[r, o] = 1.0
+            else:
+                W[o, r] = 1.0
+    return W.numpy()
+
+
+def InferSourceFromDestinationRanks(dst_ranks, construct_adjacency_matrix=False):
+    """Collective: from every agent's destinations, the sources of this agent
+    (sorted). With construct_adjacency_matrix, also W with W[i, j] = 1 when i sends to j."""
+    st = state()
+    dsts = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
+    views = _allgather_object(dsts, name=None)
+    srcs = sorted(r for r, ds in enumerate(views) if st.rank in ds)
+    return (srcs, _adjacency(views, st.size, True)) if construct_adjacency_matrix else srcs
+
+
+def InferDestinationFromSourceRanks(src_ranks, construct_adjacency_matrix=False):
+    """Collective: from every agent's sources, the destinations of this agent
+    (sorted). With construct_adjacency_matrix, also W with W[i, j] = 1 when i sends to j."""
+    st = state()
+    srcs = _rank_list(src_ranks, "src_ranks", st.size, st.rank)
+    views = _allgather_object(srcs, name=None)
+    dsts = sorted(r for r, ss in enumerate(views) if st.rank in ss)
+    return (dsts, _adjacency(views, st.size, False)) if construct_adjacency_matrix else dsts
+

@@ -1,0 +1,1 @@
+"""Per-agent timeline: recording (hot path), the background writer, and control."""

@@ -1,0 +1,55 @@
+"""Hot-path event recording: raw tuples into a deque; the writer formats them later.
+
+``current`` is None while the timeline is off, so a disabled timeline costs one
+attribute read and one comparison per event site.
+"""
+import collections
+import threading
+import time
+
+current = None   # the active Recorder, or None
+
+_now_ns = time.perf_counter_ns
+_ident = threading.get_ident
+
+# event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
+#   phase 'B' begin, 'E' end, 'i' instant
+
+
+class Recorder:
+    """Collects events; a writer thread drains ``events`` (deque appends and
+    poplefts are thread-safe without a lock)."""
+
+    def __init__(self):
+        self.events = collections.deque()
+        self.thread_names = {}   # thread ident -> display name
+
+    def begin(self, tensor_name, activity, tid=None):
+        self.events.append(("B", _now_ns(), tensor_name, activity, tid or _ident()))
+
+    def end(self, tensor_name, tid=None):
+        self.events.append(("E", _now_ns(), tensor_name, None, tid or _ident()))
+
+    def instant(self, tensor_name, activity, tid=None):
+        self.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))
+
+    def name_thread(self, name, tid=None):
+        self.thread_names[tid or _ident()] = name
+
+
+def begin(tensor_name, activity):
+    rec = current
+    if rec is not None:
+        rec.begin(tensor_name, activity)
+
+
+def end(tensor_name, tid=None):
+    rec = current
+    if rec is not None:
+        rec.end(tensor_name, tid)
+
+
+def instant(tensor_name, activity):
+    rec = current
+    if rec is not None:
+        rec.instant(tensor_name, activity)
