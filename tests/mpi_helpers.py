@@ -1,0 +1,41 @@
+"""Launch multi-agent test programs under the pip MPICH with a hard timeout."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "workers")
+
+
+def mpiexec():
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.path.exists(local) else shutil.which("mpiexec")
+
+
+def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
+    """Run tests/workers/<script> (or a path) on nprocs agents.
+
+    Returns (returncode, combined output). A job that does not finish within
+    timeout is killed and reported as a failed test, never a hung suite."""
+    path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
+    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, path, *map(str, args)]
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} on {nprocs} agents did not finish in {timeout} s "
+                             f"(deadlock?); output so far:\n{out[-4000:]}")
+    if expect_ok:
+        assert proc.returncode == 0, f"{script} on {nprocs} agents failed ({proc.returncode}):\n{out[-6000:]}"
+        oks = sum(1 for line in out.splitlines() if line.startswith("AGENT OK"))
+        assert oks == nprocs, f"only {oks}/{nprocs} agents reported success:\n{out[-6000:]}"
+    return proc.returncode, out
