@@ -23,4 +23,9 @@ from .ops import (
 from .parameters import broadcast_parameters, allreduce_parameters, broadcast_optimizer_state
 from .windows import win_free
 
+from .timeline import (
+    timeline_start_activity, timeline_end_activity, timeline_context, timeline_start, timeline_stop,
+)
+from .hooks import timeline_install_hooks
+
 __version__ = "0.1.0"

@@ -102,7 +102,7 @@ class Engine:
         self._cv = threading.Condition()
         self._queue = collections.deque()
         self._ops = {}                 # handle -> Op (until synchronized)
-        self._names = set()            # names of ops in flight
+        self._names = set()            # names of ops not yet synchronized
         self._handles = itertools.count(1)
         self._active = []
         self._coll_seq = 0             # next collective sequence number (comm thread)
@@ -119,8 +119,8 @@ class Engine:
             if self._stopping:
                 raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
             if name in self._names:
-                raise ValueError(f"an operation named {name!r} is already in flight on this agent; "
-                                 "synchronize it before reusing the name")
+                raise ValueError(f"an operation named {name!r} is already in flight on this agent "
+                                 "(not yet synchronized); synchronize it before reusing the name")
             op = Op(next(self._handles), name, kind, None)
             op.task = task(op)
             self._names.add(name)
@@ -144,7 +144,9 @@ class Engine:
         while not op.done.wait(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the bluefog_lite communication thread has died")
-        self._ops.pop(handle, None)
+        with self._cv:
+            self._ops.pop(handle, None)
+            self._names.discard(op.name)
         if op.error is not None:
             raise op.error
         return op.result
@@ -299,8 +301,6 @@ class Engine:
         op.data_requests = []
         self.posted_collective(op)
         tl.end(op.name)
-        with self._cv:
-            self._names.discard(op.name)
         op.done.set()
         tl.end(op.name, op.caller_tid)
 

@@ -95,6 +95,7 @@ class StreamEndpoint:
         self._next_tag = collections.defaultdict(int)
         self.pending_recvs = []   # (request, entry)
         self.sent_packets = []    # (request, packet) kept alive until sent
+        self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
 
     # ---- sending -------------------------------------------------------
     def queue_tensor(self, dst, key, t, data_requests):
@@ -118,6 +119,7 @@ class StreamEndpoint:
         box.entries.append((key, _KIND_TENSOR, meta, ("t", tag, nbytes)))
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
+        self.stats["data_messages"] += 1
         data_requests.append((self.comm.Isend([tensor_bytes(t), nbytes, MPI.BYTE], dst, tag), t))
 
     def queue_object(self, dst, key, obj):
@@ -144,6 +146,8 @@ class StreamEndpoint:
                     packet[start + off:start + off + n] = tensor_bytes(box.payloads[i])
                 i += 1
         req = self.comm.Isend([packet, MPI.BYTE], dst, STREAM_TAG)
+        self.stats["packets"] += 1
+        self.stats["entries"] += len(box.entries)
         self.sent_packets.append((req, packet))
         return req
 

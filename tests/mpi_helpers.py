@@ -1,5 +1,6 @@
 """Launch multi-agent test programs under the pip MPICH with a hard timeout."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,6 @@ def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
                              f"(deadlock?); output so far:\n{out[-4000:]}")
     if expect_ok:
         assert proc.returncode == 0, f"{script} on {nprocs} agents failed ({proc.returncode}):\n{out[-6000:]}"
-        oks = sum(1 for line in out.splitlines() if line.startswith("AGENT OK"))
+        oks = len(set(re.findall(r"AGENT OK (\d+)", out)))
         assert oks == nprocs, f"only {oks}/{nprocs} agents reported success:\n{out[-6000:]}"
     return proc.returncode, out

@@ -1,14 +1,198 @@
-"""Turning the timeline on and off (environment, timeline_start/timeline_stop)."""
-import os
+"""Turning the timeline on and off: the environment at init, timeline_start/timeline_stop
+at run time, and the optimizer-step window.
 
-from . import _recorder
+Environment (read by init()):
+  BLUEFOG_TIMELINE=PREFIX            every agent writes PREFIX<rank>.json
+  BLUEFOG_TIMELINE_START_STEP=k      record from optimizer step k (counted from 0)
+  BLUEFOG_TIMELINE_END_STEP=m        ... through step m, then finish the file
+  BLUEFOG_TIMELINE_MARK_CYCLES=1     an instant event per communication-thread cycle
+"""
+import os
+import socket
+import threading
+import time
+
+from . import _clock, _recorder
+from ._writer import COMM_TID, MAIN_TID, Writer
+
+_session = None    # the open _Session, recording or waiting for its step window
+_steps = 0         # optimizer steps completed since the timeline was configured
+_clock_sync = None  # (offset_us, rtt_us) measured at init, or None
+
+
+def timeline_path(prefix, rank):
+    return f"{prefix}{rank}.json"
+
+
+def _open_for_writing(path):
+    """The file descriptor of path (created/truncated); ValueError naming the path if impossible."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"timeline: cannot write {path!r}: directory {folder!r} does not exist "
+                         "(check BLUEFOG_TIMELINE / --timeline-filename)")
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
+        raise ValueError(f"timeline: cannot write {path!r}: {exc.strerror} "
+                         "(check BLUEFOG_TIMELINE / --timeline-filename)") from None
+
+
+def _check_prefix(prefix):
+    if not isinstance(prefix, str) or not prefix:
+        raise TypeError(f"prefix must be a non-empty string (files are PREFIX<rank>.json), got {prefix!r}")
+    return prefix
+
+
+class _Session:
+    """One timeline file: opened at creation, written by its Writer once recording starts."""
+
+    def __init__(self, prefix, st, start_step=0, end_step=None, fd=None):
+        self.path = timeline_path(prefix, st.rank)
+        if fd is None:
+            fd = _open_for_writing(self.path)
+        self.start_step, self.end_step = start_step, end_step
+        self.recorder = _recorder.Recorder()
+        names = {threading.main_thread().ident: "main"}
+        engine_thread = getattr(st.engine, "_thread", None)
+        if engine_thread is not None and engine_thread.ident is not None:
+            names[engine_thread.ident] = "communication"
+        self.recorder.thread_names.update(names)
+        self.writer = Writer(fd, self.path, self.recorder, _metadata(prefix, st, start_step, end_step),
+                             names)
+        self.recording = False
+
+    def record(self):
+        self.writer.start()
+        self.recording = True
+        _recorder.current = self.recorder
+
+    def close(self):
+        if _recorder.current is self.recorder:
+            _recorder.current = None
+        self.writer.close(time.perf_counter_ns())
+
+
+def _metadata(prefix, st, start_step, end_step):
+    perf_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
+    offset, rtt = _clock_sync if _clock_sync is not None else (0.0, None)
+    return {
+        "rank": st.rank, "size": st.size, "local_rank": st.local_rank, "local_size": st.local_size,
+        "machine_rank": st.machine_rank, "hostname": socket.gethostname(), "os_pid": os.getpid(),
+        "prefix": prefix,
+        "clock": "perf_counter", "ts_unit": "us",
+        "wall_time_of_ts0_us": (wall_ns - perf_ns) / 1000.0,
+        "clock_offset_us": offset, "clock_offset_rtt_us": rtt,
+        "clock_offset_measured": _clock_sync is not None,
+        "start_step": start_step, "end_step": end_step,
+        "main_tid": MAIN_TID, "communication_tid": COMM_TID,
+    }
+
+
+def _env_step(var):
+    raw = os.environ.get(var, "")
+    if raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{var} must be a non-negative integer (an optimizer step), got {raw!r}")
+    return value
+
+
+def _window_from_environment():
+    start, end = _env_step("BLUEFOG_TIMELINE_START_STEP"), _env_step("BLUEFOG_TIMELINE_END_STEP")
+    start = start or 0
+    if end is not None and end < start:
+        raise ValueError(f"BLUEFOG_TIMELINE_END_STEP ({end}) must be >= BLUEFOG_TIMELINE_START_STEP ({start})")
+    return start, end
 
 
 def start_from_environment():
-    prefix = os.environ.get("BLUEFOG_TIMELINE")
-    if prefix:
-        raise NotImplementedError("timeline writer arrives with the timeline issue")
+    """Called at the end of init(). Collective when BLUEFOG_TIMELINE is set (the
+    clock exchange), so the variable must be set on every agent, as bfrun does."""
+    global _session, _steps, _clock_sync
+    prefix = os.environ.get("BLUEFOG_TIMELINE", "")
+    if not prefix:
+        return
+    from .._runtime import state
+    st = state()
+    problem = fd = None
+    try:
+        start, end = _window_from_environment()
+        fd = _open_for_writing(timeline_path(prefix, st.rank))
+    except ValueError as exc:
+        problem = exc
+    # Every agent takes part in the exchange even if its own set-up failed, so
+    # that the others are not left waiting in init().
+    _clock_sync = _clock.measure_offset(st.comm)
+    st.clock_offset_us = _clock_sync[0]
+    if problem is not None:
+        raise problem
+    _close_session()
+    _steps = 0
+    _session = _Session(prefix, st, start, end, fd)
+    if start == 0:
+        _session.record()
+
+
+def timeline_start(prefix, mark_cycles=False):
+    """Start writing PREFIX<rank>.json now (this agent only; not collective).
+
+    A timeline already open on this agent is finished first. The clock offset in
+    the file's metadata is the one measured at init (0, flagged as not measured,
+    when init ran without BLUEFOG_TIMELINE)."""
+    global _session
+    _check_prefix(prefix)
+    from .._runtime import state
+    st = state()
+    _close_session()
+    _session = _Session(prefix, st)
+    if mark_cycles:
+        st.engine.mark_cycles = True
+    _session.record()
+
+
+def timeline_stop():
+    """Finish the open timeline file, if any (every open span is ended now)."""
+    _close_session()
+
+
+def _close_session():
+    global _session
+    session, _session = _session, None
+    if session is not None:
+        session.close()
 
 
 def stop_timeline():
-    _recorder.current = None
+    """Called by shutdown(), after the communication thread has stopped."""
+    _close_session()
+
+
+def step():
+    """Count one optimizer step; the optimizer wrappers call it at the end of step().
+
+    Step k (from 0) is the work between the k-th and the (k+1)-th call. With
+    BLUEFOG_TIMELINE_START_STEP=s and BLUEFOG_TIMELINE_END_STEP=e the file holds
+    steps s..e and is finished when step e ends."""
+    global _steps
+    _steps += 1
+    session = _session
+    if session is None:
+        return
+    if not session.recording and _steps >= session.start_step:
+        session.record()
+    elif session.recording and session.end_step is not None and _steps > session.end_step:
+        _close_session()
+
+
+def configured():
+    """True while a timeline file is open (recording now or waiting for its step
+    window): the optimizer wrappers install compute hooks when this is true."""
+    return _session is not None
+
+
+def recording():
+    return _recorder.current is not None

@@ -1,7 +1,9 @@
 """Hot-path event recording: raw tuples into a deque; the writer formats them later.
 
 ``current`` is None while the timeline is off, so a disabled timeline costs one
-attribute read and one comparison per event site.
+attribute read and one comparison per event site. While it is on, an event
+costs one ``perf_counter_ns()`` and one ``deque.append`` of a tuple (LIMITS.md
+point 5); formatting happens on the writer thread (_writer.py).
 """
 import collections
 import threading
@@ -14,6 +16,8 @@ _ident = threading.get_ident
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
 #   phase 'B' begin, 'E' end, 'i' instant
+#   an 'E' with activity None closes the innermost open span of (tensor_name,
+#   thread); with an activity it closes the innermost open span of that name.
 
 
 class Recorder:
@@ -27,8 +31,8 @@ class Recorder:
     def begin(self, tensor_name, activity, tid=None):
         self.events.append(("B", _now_ns(), tensor_name, activity, tid or _ident()))
 
-    def end(self, tensor_name, tid=None):
-        self.events.append(("E", _now_ns(), tensor_name, None, tid or _ident()))
+    def end(self, tensor_name, tid=None, activity=None):
+        self.events.append(("E", _now_ns(), tensor_name, activity, tid or _ident()))
 
     def instant(self, tensor_name, activity, tid=None):
         self.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))
@@ -37,19 +41,19 @@ class Recorder:
         self.thread_names[tid or _ident()] = name
 
 
-def begin(tensor_name, activity):
+def begin(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
-        rec.begin(tensor_name, activity)
+        rec.begin(tensor_name, activity, tid)
 
 
-def end(tensor_name, tid=None):
+def end(tensor_name, tid=None, activity=None):
     rec = current
     if rec is not None:
-        rec.end(tensor_name, tid)
+        rec.end(tensor_name, tid, activity)
 
 
-def instant(tensor_name, activity):
+def instant(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
-        rec.instant(tensor_name, activity)
+        rec.instant(tensor_name, activity, tid)

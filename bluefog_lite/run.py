@@ -1,0 +1,458 @@
+"""The launcher behind ``bfrun``: find the MPI launcher, build its command line, run the job.
+
+This module imports only the standard library, on purpose: each MPICH rank runs
+it (by file path, see ``_rank_guard``) in front of the user's program, and that
+must neither pull in torch nor initialise MPI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Mapping, Optional
+
+NO_LAUNCHER_HINT = (
+    "install the mpich wheel (pip install mpich) or put mpiexec/mpirun on PATH")
+USAGE_ERROR = 2
+SHUTDOWN_GRACE_S = 10.0
+_RANK_GUARD_FLAG = "--_rank-guard"
+_NO_STATUS_DIR = "-"
+_RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Open MPI does not forward the environment to the ranks; these are what a
+# Python job needs to find the same interpreter and packages.
+_OPENMPI_FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
+_HYDRA_MARKERS = ("HYDRA", "MPICH", "Intel(R) MPI")
+_OPENMPI_MARKERS = ("Open MPI", "OpenRTE", "PRRTE", "prterun", "prte")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """An MPI launcher executable and the command-line dialect it speaks."""
+
+    path: str
+    flavor: str  # "mpich" (Hydra: MPICH, Intel MPI, MVAPICH) or "openmpi"
+
+
+class LauncherNotFound(RuntimeError):
+    """No usable ``mpiexec``/``mpirun`` could be found."""
+
+
+# --------------------------------------------------------------------------
+# Finding the launcher
+
+def find_launcher() -> Launcher:
+    """Return the MPI launcher to use and its flavor.
+
+    Order: ``$BLUEFOG_MPIEXEC`` if set (and then nothing else), else
+    ``mpiexec`` next to ``sys.executable`` (where the ``mpich`` wheel puts it
+    in a virtual environment), else ``mpiexec`` then ``mpirun`` on ``PATH``.
+    Raises :class:`LauncherNotFound` with a message saying what to install.
+    """
+    override = os.environ.get("BLUEFOG_MPIEXEC")
+    if override:
+        path = shutil.which(override)
+        if path is None:
+            raise LauncherNotFound(
+                f"no MPI launcher found: BLUEFOG_MPIEXEC={override!r} is not an "
+                f"executable file; fix it or unset it, or {NO_LAUNCHER_HINT}")
+        return Launcher(path, detect_flavor(path))
+    for path in _default_candidates():
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return Launcher(path, detect_flavor(path))
+    raise LauncherNotFound(f"no MPI launcher found: {NO_LAUNCHER_HINT}")
+
+
+def _default_candidates() -> List[str]:
+    candidates = []
+    if sys.executable:
+        candidates.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            candidates.append(found)
+    return candidates
+
+
+def detect_flavor(path: str) -> str:
+    """Tell MPICH/Hydra from Open MPI by what ``<path> --version`` prints."""
+    try:
+        result = subprocess.run([path, "--version"], stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LauncherNotFound(
+            f"MPI launcher {path!r} does not run ('{path} --version' failed: {exc}); "
+            f"set BLUEFOG_MPIEXEC to a working one, or {NO_LAUNCHER_HINT}") from exc
+    text = result.stdout + result.stderr
+    # Hydra's output lists its configure options, which could name anything;
+    # its banner is unambiguous, so look for it first.
+    if "HYDRA build details" in text:
+        return "mpich"
+    if any(marker in text for marker in _OPENMPI_MARKERS):
+        return "openmpi"
+    if any(marker in text for marker in _HYDRA_MARKERS):
+        return "mpich"
+    print(f"bfrun: warning: cannot tell which MPI {path!r} belongs to from its "
+          "--version output; assuming MPICH (Hydra) options", file=sys.stderr)
+    return "mpich"
+
+
+# --------------------------------------------------------------------------
+# Arguments
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _host_list(text: str) -> str:
+    for entry in text.split(","):
+        host, _, slots = entry.partition(":")
+        if not host or (slots and not (slots.isdigit() and int(slots) > 0)):
+            raise argparse.ArgumentTypeError(
+                f"expected host1:n1,host2:n2,... (n a positive integer), got {text!r}")
+    return text
+
+
+def _make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bfrun", allow_abbrev=False,
+        description="Launch a bluefog_lite job: run COMMAND as N MPI ranks.",
+        epilog="Example: bfrun -np 4 python examples/train.py --epochs 2")
+    parser.add_argument("-np", "-n", dest="np", type=_positive_int, metavar="N",
+                        help="number of ranks (processes) to start")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", dest="hosts", type=_host_list,
+                       metavar="HOST:N,...", help="hosts and ranks per host")
+    hosts.add_argument("--hostfile", metavar="FILE",
+                       help="file listing the hosts, in the launcher's own format")
+    parser.add_argument("--timeline-filename", metavar="PREFIX",
+                        help="record a timeline: rank r writes PREFIX<r>.json")
+    parser.add_argument("--timeline-mark-cycles", action="store_true",
+                        help="mark each communication-thread cycle in the timeline")
+    parser.add_argument("--extra-mpi-flags", default="", metavar="FLAGS",
+                        help="more launcher flags, one shell-quoted string")
+    parser.add_argument("--no-rank-guard", dest="rank_guard", action="store_false",
+                        help="MPICH only: do not run the guard that stops the job "
+                             "when one rank exits with an error")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the launcher command line before running it")
+    parser.add_argument("-v", "--version", action="store_true",
+                        help="print the bluefog_lite version and the MPI launcher found")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program to run on every rank, and its arguments")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse bfrun's arguments; exits with code 2 and a message on bad ones."""
+    parser = _make_parser()
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if args.version:
+        return args
+    if args.np is None:
+        parser.error("the following arguments are required: -np "
+                     "(the number of ranks, e.g. bfrun -np 4 python train.py)")
+    if not args.command:
+        parser.error("missing command: give the program to run on every rank, "
+                     "e.g. bfrun -np 4 python train.py")
+    return args
+
+
+def _check_paths(args: argparse.Namespace) -> Optional[str]:
+    """Return what is wrong with the files named in ``args``, or None."""
+    if args.hostfile and not os.path.isfile(args.hostfile):
+        return f"--hostfile: {args.hostfile!r} is not a file"
+    if args.timeline_filename is not None:
+        if not args.timeline_filename:
+            return "--timeline-filename: the prefix is empty"
+        directory = os.path.dirname(_absolute_prefix(args.timeline_filename))
+        if not os.path.isdir(directory):
+            return (f"--timeline-filename: directory {directory!r} does not exist "
+                    "(create it first)")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"--timeline-filename: directory {directory!r} is not writable"
+    return None
+
+
+def _absolute_prefix(prefix: str) -> str:
+    # Ranks may start in another working directory; a trailing separator
+    # ("out/") means "files inside out/" and must survive abspath.
+    absolute = os.path.abspath(os.path.expanduser(prefix))
+    if prefix.endswith(os.sep):
+        absolute += os.sep
+    return absolute
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+def bluefog_env(args: argparse.Namespace) -> Dict[str, str]:
+    """The BLUEFOG_* variables that bfrun sets for every rank."""
+    env = {}
+    if args.timeline_filename:
+        env["BLUEFOG_TIMELINE"] = _absolute_prefix(args.timeline_filename)
+    if args.timeline_mark_cycles:
+        env["BLUEFOG_TIMELINE_MARK_CYCLES"] = "1"
+    return env
+
+
+def build_command(args: argparse.Namespace, launcher: Launcher,
+                  environ: Optional[Mapping[str, str]] = None,
+                  status_dir: Optional[str] = None) -> List[str]:
+    """Return the launcher command line that runs ``args.command`` on ``args.np`` ranks.
+
+    ``environ`` (default ``os.environ``) is the environment the launcher will
+    get; Open MPI is told to forward its BLUEFOG_* variables and the Python
+    search paths. With MPICH each rank runs behind the rank guard unless
+    ``args.rank_guard`` is false; ``status_dir`` is where the guards record a
+    failing rank's exit code.
+    """
+    environ = os.environ if environ is None else environ
+    set_env = bluefog_env(args)
+    if launcher.flavor == "openmpi":
+        command = [launcher.path, "-np", str(args.np), "--oversubscribe"]
+        if os.geteuid() == 0:
+            command.append("--allow-run-as-root")
+        if args.hosts:
+            command += ["-H", args.hosts]
+        elif args.hostfile:
+            command += ["--hostfile", args.hostfile]
+        for name, value in set_env.items():
+            command += ["-x", f"{name}={value}"]
+        for name in sorted(environ):
+            forward = name.startswith("BLUEFOG_") or name in _OPENMPI_FORWARDED_VARS
+            if forward and name not in set_env:
+                command += ["-x", name]
+        rank_command = list(args.command)
+    elif launcher.flavor == "mpich":
+        command = [launcher.path, "-n", str(args.np)]
+        if args.hosts:
+            command += ["-hosts", args.hosts]
+        elif args.hostfile:
+            command += ["-f", args.hostfile]
+        # Hydra forwards the whole environment by default; -genv makes the
+        # variables bfrun sets explicit and survives a user's -genvnone.
+        for name, value in set_env.items():
+            command += ["-genv", name, value]
+        rank_command = list(args.command)
+        if getattr(args, "rank_guard", True):
+            rank_command = [sys.executable, "-I", os.path.abspath(__file__),
+                            _RANK_GUARD_FLAG, status_dir or _NO_STATUS_DIR,
+                            *rank_command]
+    else:
+        raise ValueError(f"launcher flavor must be 'mpich' or 'openmpi', "
+                         f"got {launcher.flavor!r}")
+    return command + shlex.split(args.extra_mpi_flags or "") + rank_command
+
+
+# --------------------------------------------------------------------------
+# Running the job
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run bfrun with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [_RANK_GUARD_FLAG]:
+        return _rank_guard(argv[1], argv[2:])
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # argparse: bad arguments (2) or --help (0)
+        return exc.code if isinstance(exc.code, int) else USAGE_ERROR
+    if args.version:
+        _print_version()
+        return 0
+    problem = _check_paths(args)
+    if problem:
+        return _fail(problem)
+    try:
+        launcher = find_launcher()
+    except LauncherNotFound as exc:
+        return _fail(str(exc))
+    status_dir = None
+    if launcher.flavor == "mpich" and args.rank_guard:
+        status_dir = tempfile.mkdtemp(prefix="bfrun-status-")
+    try:
+        command = build_command(args, launcher, os.environ, status_dir)
+        if args.verbose:
+            print(f"bfrun: {shlex.join(command)}", file=sys.stderr, flush=True)
+        env = dict(os.environ, **bluefog_env(args))
+        code = _run_job(command, env)
+        failed_rank_code = _first_failure(status_dir)
+        if code != 0 and failed_rank_code is not None:
+            code = failed_rank_code
+        return code
+    finally:
+        if status_dir:
+            shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _fail(message: str) -> int:
+    print(f"bfrun: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def _print_version() -> None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            bluefog_version = version("bluefog_lite")
+        except PackageNotFoundError:
+            bluefog_version = "unknown"
+    except ImportError:
+        bluefog_version = "unknown"
+    print(f"bfrun (bluefog_lite {bluefog_version})")
+    try:
+        launcher = find_launcher()
+        print(f"MPI launcher: {launcher.path} ({launcher.flavor})")
+    except LauncherNotFound as exc:
+        print(f"MPI launcher: none ({exc})")
+
+
+def _run_job(command: List[str], env: Mapping[str, str]) -> int:
+    """Run the launcher in its own process group; relay SIGINT/SIGTERM/SIGHUP to it.
+
+    After the first signal the launcher has SHUTDOWN_GRACE_S seconds to stop
+    the ranks (Hydra forwards the signal to every rank's process group, and a
+    second one makes it abort at once), then its group gets SIGKILL, which
+    makes Hydra's proxies kill the ranks.
+    """
+    received: List[int] = []
+    process: List[subprocess.Popen] = []
+
+    def relay(signum, _frame):
+        received.append(signum)
+        if process:
+            _signal_group(process[0], signum)
+
+    previous = {}
+    try:
+        for signum in _RELAYED_SIGNALS:
+            previous[signum] = signal.signal(signum, relay)
+    except ValueError:  # not the main thread: no relaying possible
+        pass
+    try:
+        try:
+            process.append(subprocess.Popen(command, env=env, start_new_session=True))
+        except OSError as exc:
+            return _fail(f"cannot start the MPI launcher {command[0]!r}: {exc}")
+        if received:  # a signal came before the launcher existed
+            _signal_group(process[0], received[0])
+        code = _wait_with_deadline(process[0], received)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        return 128 + received[0]
+    return code if code >= 0 else 128 - code
+
+
+def _wait_with_deadline(proc: subprocess.Popen, received: List[int]) -> int:
+    deadline = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if received and deadline is None:
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        elif deadline is not None and time.monotonic() > deadline:
+            print(f"bfrun: the job did not stop within {SHUTDOWN_GRACE_S:g} s "
+                  "of the signal; killing it", file=sys.stderr, flush=True)
+            _signal_group(proc, signal.SIGKILL)
+            return proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _first_failure(status_dir: Optional[str]) -> Optional[int]:
+    """The exit code recorded by the first rank guard that saw its rank fail."""
+    if not status_dir or not os.path.isdir(status_dir):
+        return None
+    records = []
+    for name in os.listdir(status_dir):
+        path = os.path.join(status_dir, name)
+        try:
+            with open(path) as record:
+                records.append((os.stat(path).st_mtime_ns, int(record.read())))
+        except (OSError, ValueError):
+            continue
+    return min(records)[1] if records else None
+
+
+# --------------------------------------------------------------------------
+# The rank guard (runs on every MPICH rank, in front of the user's program)
+
+def _rank_guard(status_dir: str, command: List[str]) -> int:
+    """Run ``command`` as this rank; if it fails, take the whole job down.
+
+    Hydra only stops the other ranks when a rank dies by a signal or exits
+    after MPI_Init without MPI_Finalize. A program that exits non-zero
+    without MPI (or after MPI_Finalize, as mpi4py does at exit) would leave
+    the others running. So the guard, seeing a failure, records the exit
+    code for bfrun and kills itself with SIGTERM, which Hydra treats as a bad
+    termination and cleans up after. The child stays in the guard's process
+    group, where Hydra sends its signals and its SIGKILL.
+    """
+    received: List[int] = []
+    for signum in _RELAYED_SIGNALS:
+        signal.signal(signum, lambda s, _f: received.append(s))
+    rank = os.environ.get("PMI_RANK", "?")
+    try:
+        # close_fds=False: the child must inherit Hydra's PMI_FD socket.
+        child = subprocess.Popen(command, close_fds=False)
+        code = child.wait()
+    except OSError as exc:
+        print(f"bfrun: rank {rank}: cannot run {command[0]!r}: {exc}",
+              file=sys.stderr, flush=True)
+        code = 127
+    if code == 0:
+        return 0
+    exit_code = code if code > 0 else 128 - code
+    if received:  # the job is being stopped anyway: just report the status
+        return exit_code
+    if code > 0:
+        what = f"exited with code {code}"
+    else:
+        what = f"was killed by signal {signal.Signals(-code).name}"
+    print(f"bfrun: rank {rank} {what}; stopping the job", file=sys.stderr, flush=True)
+    _record_failure(status_dir, rank, exit_code)
+    for signum in _RELAYED_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    return exit_code
+
+
+def _record_failure(status_dir: str, rank: str, exit_code: int) -> None:
+    # The directory exists only on the host that runs bfrun; elsewhere the
+    # code is lost and bfrun reports the launcher's own exit code.
+    if status_dir == _NO_STATUS_DIR or not os.path.isdir(status_dir):
+        return
+    try:
+        with open(os.path.join(status_dir, f"rank{rank}"), "w") as record:
+            record.write(str(exit_code))
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

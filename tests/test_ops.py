@@ -1,0 +1,27 @@
+"""Multi-agent tests of the operations of SPEC section 3 (workers in tests/workers/)."""
+import pytest
+
+from mpi_helpers import run_agents
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_neighbor_ops_match_mixing_matrix(n):
+    run_agents(n, "ops_neighbor.py", timeout=150)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_collectives_match_numpy(n):
+    run_agents(n, "ops_collective.py", timeout=150)
+
+
+@pytest.mark.parametrize("n,per", [(4, 2), (8, 2), (8, 4)])
+def test_hierarchical_with_emulated_machines(n, per):
+    run_agents(n, "ops_hierarchical.py", timeout=120, env={"BLUEFOG_RANKS_PER_MACHINE": str(per)})
+
+
+def test_fusion_small_ops_share_messages():
+    run_agents(4, "ops_fusion.py", timeout=120)
+
+
+def test_fusion_disabled_still_correct():
+    run_agents(4, "ops_fusion.py", "nofusion", timeout=120, env={"BLUEFOG_FUSION_THRESHOLD": "0"})

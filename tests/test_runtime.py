@@ -1,0 +1,27 @@
+"""Runtime behaviour: size 1, errors before init/after shutdown, stall inspector, abort."""
+import re
+import time
+
+from mpi_helpers import run_agents
+
+
+def test_single_agent_ops_are_self_weighted():
+    run_agents(1, "runtime_single.py", timeout=60)
+
+
+def test_stall_warning_names_op_and_missing_rank():
+    _, out = run_agents(4, "runtime_stall.py", "warn", timeout=90, env={"BLUEFOG_STALL_WARNING_S": "1"})
+    warned = re.findall(r"rank (\d)\): NEIGHBOR_ALLREDUCE 'late.op' has waited [\d.]+ s for ranks \[1\]", out)
+    assert sorted(warned) == ["0", "2", "3"], out
+
+
+def test_fatal_timeout_raises_on_waiting_agents():
+    run_agents(4, "runtime_stall.py", "fatal", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+
+
+def test_uncaught_exception_on_one_agent_ends_the_job():
+    start = time.monotonic()
+    rc, out = run_agents(4, "runtime_abort.py", timeout=60, expect_ok=False)
+    assert rc != 0, out
+    assert "deliberate failure on rank 2" in out and "UNREACHABLE" not in out
+    assert time.monotonic() - start < 30

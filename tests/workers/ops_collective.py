@@ -1,0 +1,94 @@
+"""allreduce / broadcast / allgather (+ in-place forms), parameter helpers, barrier,
+against numpy references."""
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+
+
+def data(r, shape=(4, 3), dtype=np.float64):
+    return np.random.default_rng(7 + r).normal(size=shape).astype(dtype)
+
+
+everyone = np.stack([data(r) for r in range(size)])
+
+for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5)):
+    x = torch.from_numpy(data(rank, dtype=dtype))
+    before = x.clone()
+    np.testing.assert_allclose(bf.allreduce(x, name=f"ar.{dtype.__name__}").numpy(),
+                               everyone.mean(0).astype(dtype), rtol=tol, atol=tol)
+    np.testing.assert_allclose(bf.allreduce(x, average=False, name="ar.sum").numpy(),
+                               everyone.sum(0).astype(dtype), rtol=tol, atol=tol)
+    assert torch.equal(x, before)
+    bf.allreduce_(x, name="ar.inplace")
+    np.testing.assert_allclose(x.numpy(), everyone.mean(0).astype(dtype), rtol=tol, atol=tol)
+
+xi = torch.arange(5, dtype=torch.int32) * (rank + 1)
+assert bf.allreduce(xi, average=False, name="ar.int").tolist() == [k * size * (size + 1) // 2 for k in range(5)]
+
+# non-contiguous in-place
+xt = torch.from_numpy(data(rank, (3, 4))).t()
+bf.allreduce_(xt, name="ar.nc")
+np.testing.assert_allclose(xt.numpy(), np.stack([data(r, (3, 4)) for r in range(size)]).mean(0).T, rtol=1e-12)
+
+for root in range(size):
+    x = torch.from_numpy(data(rank))
+    y = bf.broadcast(x, root, name=f"bc.{root}")
+    np.testing.assert_array_equal(y.numpy(), data(root))
+    np.testing.assert_array_equal(x.numpy(), data(rank))
+    bf.broadcast_(x, root, name="bc_")
+    np.testing.assert_array_equal(x.numpy(), data(root))
+
+rows = torch.full((rank + 1, 2), float(rank), dtype=torch.float32)
+g = bf.allgather(rows, name="ag")
+assert torch.equal(g, torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)]))
+
+# many nonblocking collectives in flight, completed out of order
+hs = [bf.allreduce_nonblocking(torch.full((8,), float(rank * k)), name=f"many.{k}") for k in range(20)]
+for k in reversed(range(20)):
+    assert torch.allclose(bf.synchronize(hs[k]), torch.full((8,), k * (size - 1) / 2.0))
+
+# collectives in a different order on different agents: clear error on every agent
+if rank == 0:
+    h1, h2 = bf.allreduce_nonblocking(torch.ones(2), name="A"), bf.allreduce_nonblocking(torch.ones(2), name="B")
+else:
+    h2, h1 = bf.allreduce_nonblocking(torch.ones(2), name="B"), bf.allreduce_nonblocking(torch.ones(2), name="A")
+errors = 0
+for h in (h1, h2):
+    try:
+        bf.synchronize(h)
+    except RuntimeError as e:
+        assert "different order" in str(e), str(e)
+        errors += 1
+assert errors == 2, "order mismatch must fail both collectives"
+
+# shape mismatch in allreduce: every agent raises
+try:
+    bf.allreduce(torch.ones(3 if rank else 4), name="ar.bad")
+    raise AssertionError("shape mismatch not detected")
+except ValueError as e:
+    assert "rank 0: float32[4]" in str(e), str(e)
+
+# parameters and optimizer state
+model = torch.nn.Linear(3, 2)
+torch.manual_seed(rank)
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_()
+opt = torch.optim.Adam(model.parameters(), lr=0.1 * (rank + 1))
+model(torch.ones(1, 3)).sum().backward()
+opt.step()
+bf.broadcast_parameters(model.state_dict(), root_rank=0)
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+allflat = bf.allgather(flat.view(1, -1), name="check.params")
+assert all(torch.equal(allflat[0], allflat[r]) for r in range(size))
+bf.broadcast_optimizer_state(opt, root_rank=0)
+assert opt.param_groups[0]["lr"] == 0.1
+bf.allreduce_parameters(dict(model.named_parameters()))
+
+bf.barrier()
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)

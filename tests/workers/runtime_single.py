@@ -1,0 +1,35 @@
+"""One agent: every neighbor op is a well-defined no-op (self-weighted), nothing divides by zero."""
+import torch
+
+import bluefog_lite as bf
+
+try:
+    bf.rank()
+    raise AssertionError("rank() before init() must raise")
+except bf.BluefogError as e:
+    assert "bf.init()" in str(e)
+try:
+    bf.neighbor_allreduce(torch.ones(2))
+    raise AssertionError("an op before init() must raise")
+except bf.BluefogError as e:
+    assert "not initialized" in str(e)
+
+bf.init()
+assert (bf.rank(), bf.size(), bf.local_rank(), bf.local_size(), bf.machine_size()) == (0, 1, 0, 1, 1)
+assert bf.in_neighbor_ranks() == [] and bf.out_neighbor_ranks() == []
+x = torch.arange(4, dtype=torch.float32)
+assert torch.equal(bf.neighbor_allreduce(x), x)
+assert torch.equal(bf.neighbor_allreduce(x, self_weight=0.5, src_weights={}), x * 0.5)
+assert bf.neighbor_allgather(x.view(2, 2)).shape == (0, 2)
+assert torch.equal(bf.hierarchical_neighbor_allreduce(x), x)
+assert torch.equal(bf.allreduce(x), x) and torch.equal(bf.broadcast(x, 0), x)
+assert torch.equal(bf.allgather(x.view(2, 2)), x.view(2, 2))
+bf.barrier()
+assert bf.set_topology(bf.load_topology())
+bf.shutdown()
+try:
+    bf.allreduce(x)
+    raise AssertionError("an op after shutdown() must raise")
+except bf.BluefogError as e:
+    assert "shut down" in str(e)
+print("AGENT OK 0", flush=True)
