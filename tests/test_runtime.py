@@ -25,3 +25,7 @@ def test_uncaught_exception_on_one_agent_ends_the_job():
     assert rc != 0, out
     assert "deliberate failure on rank 2" in out and "UNREACHABLE" not in out
     assert time.monotonic() - start < 30
+
+
+def test_set_topology_checks_and_refusal():
+    run_agents(4, "runtime_topology.py", timeout=90)

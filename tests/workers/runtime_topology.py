@@ -1,0 +1,48 @@
+"""set_topology / load_topology / neighbor queries and their errors; machine queries."""
+import networkx as nx
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+assert topo.IsTopologyEquivalent(bf.load_topology(), topo.ExponentialGraph(size))
+assert bf.mpi_threads_supported()
+assert bf.local_size() == size and bf.machine_size() == 1 and bf.is_homogeneous()
+
+assert bf.set_topology(topo.RingGraph(size), is_weighted=True)
+assert bf.in_neighbor_ranks() == sorted({(rank - 1) % size, (rank + 1) % size})
+assert bf.is_topo_weighted()
+for bad, exc, text in ((topo.RingGraph(size + 1), ValueError, "nodes 0.."),
+                       ("not a graph", TypeError, "networkx")):
+    try:
+        bf.set_topology(bad)
+        raise AssertionError("bad topology accepted")
+    except exc as e:
+        assert text in str(e), str(e)
+# agents passing different graphs: the same error everywhere
+try:
+    bf.set_topology(topo.RingGraph(size) if rank == 0 else topo.StarGraph(size))
+    raise AssertionError("different graphs accepted")
+except ValueError as e:
+    assert "different graphs" in str(e)
+assert topo.IsTopologyEquivalent(bf.load_topology(), topo.RingGraph(size))   # unchanged
+# an undirected networkx graph is read as both directions
+assert bf.set_topology(nx.cycle_graph(size))
+assert bf.out_neighbor_ranks() == sorted({(rank - 1) % size, (rank + 1) % size})
+# refused while an operation is in flight on some agent: rank 0 waits for rank 1,
+# which sends only after set_topology
+if rank == 0:
+    h = bf.neighbor_allreduce_nonblocking(torch.ones(2), self_weight=0.5, src_weights={1: 0.5},
+                                          dst_weights=[], enable_topo_check=False, name="open")
+ok = bf.set_topology(topo.ExponentialGraph(size))
+assert ok is False, "set_topology must refuse while an operation is in flight somewhere"
+if rank == 1:
+    bf.neighbor_allreduce(torch.ones(2) * 3, self_weight=1.0, src_weights={}, dst_weights=[0],
+                          enable_topo_check=False, name="open")
+if rank == 0:
+    assert torch.equal(bf.synchronize(h), torch.full((2,), 2.0))
+assert bf.set_topology(topo.ExponentialGraph(size)) is True
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
