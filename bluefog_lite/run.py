@@ -7,7 +7,6 @@ must neither pull in torch nor initialise MPI.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import shutil
@@ -16,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, NamedTuple, Optional
 
 NO_LAUNCHER_HINT = (
     "install the mpich wheel (pip install mpich) or put mpiexec/mpirun on PATH")
@@ -28,12 +27,12 @@ _RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Open MPI does not forward the environment to the ranks; these are what a
 # Python job needs to find the same interpreter and packages.
 _OPENMPI_FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
+_OPTIONS_WITH_VALUE = ("-np", "-n", "-H", "--hosts", "--hostfile", "--timeline-filename")
 _HYDRA_MARKERS = ("HYDRA", "MPICH", "Intel(R) MPI")
-_OPENMPI_MARKERS = ("Open MPI", "OpenRTE", "PRRTE", "prterun", "prte")
+_OPENMPI_MARKERS = ("Open MPI", "OpenRTE", "PRRTE", "prterun")
 
 
-@dataclasses.dataclass(frozen=True)
-class Launcher:
+class Launcher(NamedTuple):
     """An MPI launcher executable and the command-line dialect it speaks."""
 
     path: str
@@ -159,7 +158,7 @@ def _make_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse bfrun's arguments; exits with code 2 and a message on bad ones."""
     parser = _make_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_extra_mpi_flags(sys.argv[1:] if argv is None else argv))
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if args.version:
@@ -171,6 +170,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("missing command: give the program to run on every rank, "
                      "e.g. bfrun -np 4 python train.py")
     return args
+
+
+def _attach_extra_mpi_flags(argv: List[str]) -> List[str]:
+    """Turn ``--extra-mpi-flags -v`` into ``--extra-mpi-flags=-v``.
+
+    argparse refuses an option value that looks like an option, and MPI flags
+    always do; only bfrun's own options (before the command) are touched.
+    """
+    argv = list(argv)
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        if argv[i] == "--extra-mpi-flags" and i + 1 < len(argv):
+            argv[i:i + 2] = [f"--extra-mpi-flags={argv[i + 1]}"]
+        elif argv[i] in _OPTIONS_WITH_VALUE:
+            i += 1
+        i += 1
+    return argv
 
 
 def _check_paths(args: argparse.Namespace) -> Optional[str]:
@@ -217,47 +233,54 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
     """Return the launcher command line that runs ``args.command`` on ``args.np`` ranks.
 
     ``environ`` (default ``os.environ``) is the environment the launcher will
-    get; Open MPI is told to forward its BLUEFOG_* variables and the Python
-    search paths. With MPICH each rank runs behind the rank guard unless
+    get: Open MPI is told to forward its BLUEFOG_* variables and the Python
+    search paths. With MPICH every rank runs behind the rank guard unless
     ``args.rank_guard`` is false; ``status_dir`` is where the guards record a
     failing rank's exit code.
     """
     environ = os.environ if environ is None else environ
-    set_env = bluefog_env(args)
+    extra_flags = shlex.split(args.extra_mpi_flags or "")
     if launcher.flavor == "openmpi":
-        command = [launcher.path, "-np", str(args.np), "--oversubscribe"]
-        if os.geteuid() == 0:
-            command.append("--allow-run-as-root")
-        if args.hosts:
-            command += ["-H", args.hosts]
-        elif args.hostfile:
-            command += ["--hostfile", args.hostfile]
-        for name, value in set_env.items():
-            command += ["-x", f"{name}={value}"]
-        for name in sorted(environ):
-            forward = name.startswith("BLUEFOG_") or name in _OPENMPI_FORWARDED_VARS
-            if forward and name not in set_env:
-                command += ["-x", name]
-        rank_command = list(args.command)
-    elif launcher.flavor == "mpich":
-        command = [launcher.path, "-n", str(args.np)]
-        if args.hosts:
-            command += ["-hosts", args.hosts]
-        elif args.hostfile:
-            command += ["-f", args.hostfile]
-        # Hydra forwards the whole environment by default; -genv makes the
-        # variables bfrun sets explicit and survives a user's -genvnone.
-        for name, value in set_env.items():
-            command += ["-genv", name, value]
+        return _openmpi_options(args, launcher.path, environ) + extra_flags + args.command
+    if launcher.flavor == "mpich":
         rank_command = list(args.command)
         if getattr(args, "rank_guard", True):
-            rank_command = [sys.executable, "-I", os.path.abspath(__file__),
-                            _RANK_GUARD_FLAG, status_dir or _NO_STATUS_DIR,
-                            *rank_command]
-    else:
-        raise ValueError(f"launcher flavor must be 'mpich' or 'openmpi', "
-                         f"got {launcher.flavor!r}")
-    return command + shlex.split(args.extra_mpi_flags or "") + rank_command
+            rank_command = [sys.executable, "-I", os.path.abspath(__file__), _RANK_GUARD_FLAG,
+                            status_dir or _NO_STATUS_DIR, *rank_command]
+        return _mpich_options(args, launcher.path) + extra_flags + rank_command
+    raise ValueError(f"launcher flavor must be 'mpich' or 'openmpi', got {launcher.flavor!r}")
+
+
+def _mpich_options(args: argparse.Namespace, path: str) -> List[str]:
+    options = [path, "-n", str(args.np)]
+    if args.hosts:
+        options += ["-hosts", args.hosts]
+    elif args.hostfile:
+        options += ["-f", args.hostfile]
+    # Hydra forwards the whole environment by default; -genv makes the
+    # variables bfrun sets visible in --verbose and survives a -genvnone.
+    for name, value in bluefog_env(args).items():
+        options += ["-genv", name, value]
+    return options
+
+
+def _openmpi_options(args: argparse.Namespace, path: str,
+                     environ: Mapping[str, str]) -> List[str]:
+    options = [path, "-np", str(args.np), "--oversubscribe"]
+    if os.geteuid() == 0:
+        options.append("--allow-run-as-root")
+    if args.hosts:
+        options += ["-H", args.hosts]
+    elif args.hostfile:
+        options += ["--hostfile", args.hostfile]
+    set_env = bluefog_env(args)
+    for name, value in set_env.items():
+        options += ["-x", f"{name}={value}"]
+    for name in sorted(environ):
+        forward = name.startswith("BLUEFOG_") or name in _OPENMPI_FORWARDED_VARS
+        if forward and name not in set_env:
+            options += ["-x", name]
+    return options
 
 
 # --------------------------------------------------------------------------
@@ -306,13 +329,11 @@ def _fail(message: str) -> int:
 
 
 def _print_version() -> None:
+    import importlib.metadata  # here, not at the top: the rank guard skips its cost
+
     try:
-        from importlib.metadata import PackageNotFoundError, version
-        try:
-            bluefog_version = version("bluefog_lite")
-        except PackageNotFoundError:
-            bluefog_version = "unknown"
-    except ImportError:
+        bluefog_version = importlib.metadata.version("bluefog_lite")
+    except importlib.metadata.PackageNotFoundError:
         bluefog_version = "unknown"
     print(f"bfrun (bluefog_lite {bluefog_version})")
     try:
@@ -404,13 +425,14 @@ def _first_failure(status_dir: Optional[str]) -> Optional[int]:
 def _rank_guard(status_dir: str, command: List[str]) -> int:
     """Run ``command`` as this rank; if it fails, take the whole job down.
 
-    Hydra only stops the other ranks when a rank dies by a signal or exits
-    after MPI_Init without MPI_Finalize. A program that exits non-zero
-    without MPI (or after MPI_Finalize, as mpi4py does at exit) would leave
-    the others running. So the guard, seeing a failure, records the exit
-    code for bfrun and kills itself with SIGTERM, which Hydra treats as a bad
-    termination and cleans up after. The child stays in the guard's process
-    group, where Hydra sends its signals and its SIGKILL.
+    Hydra stops the other ranks only when a rank dies by a signal or exits
+    after MPI_Init without MPI_Finalize; a rank that exits non-zero before
+    MPI_Init (or without MPI at all) leaves the others running. So the guard,
+    seeing a failure, records the exit code for bfrun and kills itself with
+    SIGTERM, which Hydra treats as a bad termination. The child stays in the
+    guard's process group, where Hydra sends its signals and its SIGKILL.
+    (A rank that reaches MPI_Finalize waits there for the others: only
+    MPI_Abort, which bluefog_lite's abort-on-exception calls, helps then.)
     """
     received: List[int] = []
     for signum in _RELAYED_SIGNALS:

