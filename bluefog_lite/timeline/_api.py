@@ -51,7 +51,7 @@ class timeline_context:
         if rec is None:
             return False
         self._tid = threading.get_ident()
-        rec.begin(self.tensor_name, self.activity_name, self._tid)
+        rec.begin_scoped(self.tensor_name, self.activity_name, self._tid)
         return True
 
     def __exit__(self, *exc):

@@ -174,9 +174,10 @@ def stop_timeline():
 def step():
     """Count one optimizer step; the optimizer wrappers call it at the end of step().
 
-    Step k (from 0) is the work between the k-th and the (k+1)-th call. With
+    Step 0 is everything up to and including the first call, step k everything
+    after the k-th call up to and including the (k+1)-th. With
     BLUEFOG_TIMELINE_START_STEP=s and BLUEFOG_TIMELINE_END_STEP=e the file holds
-    steps s..e and is finished when step e ends."""
+    steps s..e and is finished by the call that ends step e."""
     global _steps
     _steps += 1
     session = _session

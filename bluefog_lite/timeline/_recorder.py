@@ -15,9 +15,12 @@ _now_ns = time.perf_counter_ns
 _ident = threading.get_ident
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
-#   phase 'B' begin, 'E' end, 'i' instant
-#   an 'E' with activity None closes the innermost open span of (tensor_name,
-#   thread); with an activity it closes the innermost open span of that name.
+#   phase 'B' begin, 'S' scoped begin, 'E' end, 'i' instant
+#   An 'E' with an activity closes the innermost open span of that activity on
+#   (tensor_name, thread); an 'E' without one closes the innermost span opened
+#   with 'B'. A scoped span ('S': compute hooks, timeline_context) is closed
+#   only by an 'E' naming its activity, so an anonymous end recorded by another
+#   thread (the end of an ENQUEUE_ span) cannot close it by mistake.
 
 
 class Recorder:
@@ -31,6 +34,9 @@ class Recorder:
     def begin(self, tensor_name, activity, tid=None):
         self.events.append(("B", _now_ns(), tensor_name, activity, tid or _ident()))
 
+    def begin_scoped(self, tensor_name, activity, tid=None):
+        self.events.append(("S", _now_ns(), tensor_name, activity, tid or _ident()))
+
     def end(self, tensor_name, tid=None, activity=None):
         self.events.append(("E", _now_ns(), tensor_name, activity, tid or _ident()))
 
@@ -41,19 +47,21 @@ class Recorder:
         self.thread_names[tid or _ident()] = name
 
 
+# The module-level functions append directly (one Python call less per event).
+
 def begin(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
-        rec.begin(tensor_name, activity, tid)
+        rec.events.append(("B", _now_ns(), tensor_name, activity, tid or _ident()))
 
 
 def end(tensor_name, tid=None, activity=None):
     rec = current
     if rec is not None:
-        rec.end(tensor_name, tid, activity)
+        rec.events.append(("E", _now_ns(), tensor_name, activity, tid or _ident()))
 
 
 def instant(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
-        rec.instant(tensor_name, activity, tid)
+        rec.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))

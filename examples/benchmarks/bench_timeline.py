@@ -1,0 +1,135 @@
+"""Timeline overhead: the same training step with the timeline off and on, in one run.
+
+    mpiexec -n 2 python examples/benchmarks/bench_timeline.py [--steps 25] [--rounds 40]
+
+Each agent trains a small multi-layer perceptron; after backward it takes a
+local SGD step and averages every parameter with its neighbors
+(neighbor_allreduce_nonblocking per parameter, named like the parameter: what
+the optimizer wrappers do). "On" rounds record everything a real run records:
+the timeline started with bf.timeline_start (writer thread running), the
+FORWARD/BACKWARD hooks installed, user activities per step. Off and on rounds
+alternate (in alternating order) so that drift of the machine's load affects
+both alike; the ratio reported is mean on-step time over mean off-step time
+(every writer burst counted), in wall time and in the agent's CPU time (all
+its threads), with the standard error of the per-pair ratios.
+"""
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import timeit
+
+import torch
+
+import bluefog_lite as bf
+from bluefog_lite.timeline import _control, _recorder
+
+
+def build_model(width, layers):
+    mods = [torch.nn.Linear(32, width), torch.nn.ReLU()]
+    for _ in range(layers - 2):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    mods.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*mods)
+
+
+def train_step(model, params, data, target, lr=0.01):
+    with bf.timeline_context("loss", "STEP"):
+        loss = torch.nn.functional.cross_entropy(model(data), target)
+        model.zero_grad(set_to_none=False)
+        loss.backward()
+    with torch.no_grad():
+        for _, p in params:
+            p.add_(p.grad, alpha=-lr)
+        handles = [(p, bf.neighbor_allreduce_nonblocking(p, name=n)) for n, p in params]
+        for p, h in handles:
+            p.copy_(bf.synchronize(h))
+    _control.step()
+
+
+def timed_round(model, params, batches, steps):
+    """(wall seconds, process CPU seconds) per step; CPU time counts every thread
+    of this agent (main, communication, timeline writer)."""
+    bf.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for k in range(steps):
+        train_step(model, params, *batches[k % len(batches)])
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+
+
+def recorded_round(model, params, batches, steps, prefix):
+    hooks = bf.timeline_install_hooks(model)
+    bf.timeline_start(prefix)
+    try:
+        return timed_round(model, params, batches, steps)
+    finally:
+        bf.timeline_stop()
+        hooks.remove()
+
+
+def disabled_site_ns():
+    """Cost of one event site while the timeline is off (the `current is None` test)."""
+    n = 1_000_000
+    t = timeit.timeit("begin('x', 'A')", globals={"begin": _recorder.begin}, number=n)
+    base = timeit.timeit("f('x', 'A')", globals={"f": lambda a, b: None}, number=n)
+    return max(0.0, (t - base) / n * 1e9), t / n * 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=25, help="steps per round")
+    ap.add_argument("--rounds", type=int, default=40, help="off/on round pairs")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--dir", default=None, help="where the timeline files go (default: a temp dir)")
+    args = ap.parse_args()
+
+    bf.init()
+    torch.manual_seed(bf.rank())
+    model = build_model(args.width, args.layers)
+    bf.broadcast_parameters(model.state_dict(), root_rank=0)
+    params = list(model.named_parameters())
+    batches = [(torch.randn(args.batch, 32), torch.randint(0, 10, (args.batch,))) for _ in range(8)]
+    folder = args.dir or tempfile.mkdtemp(prefix="bench_timeline_")
+    for _ in range(10):        # warm-up: buffers, connections, allocator
+        train_step(model, params, *batches[0])
+
+    off, on = [], []
+    for r in range(args.rounds):
+        prefix = os.path.join(folder, f"round{r}_")
+        if r % 2:       # alternate the order inside a pair: a trend in the machine's load cancels
+            on.append(recorded_round(model, params, batches, args.steps, prefix))
+            off.append(timed_round(model, params, batches, args.steps))
+        else:
+            off.append(timed_round(model, params, batches, args.steps))
+            on.append(recorded_round(model, params, batches, args.steps, prefix))
+    with open(os.path.join(folder, f"round0_{bf.rank()}.json")) as f:
+        events = sum(1 for line in f if '"ph":"B"' in line) * 2 / args.steps
+
+    # ratio of the mean step times over all rounds (every writer burst counted),
+    # with the spread of the per-pair ratios as an error estimate
+    pair = [a[0] / b[0] for a, b in zip(on, off)]
+    wall_ratio = statistics.fmean(a[0] for a in on) / statistics.fmean(b[0] for b in off)
+    cpu_ratio = statistics.fmean(a[1] for a in on) / statistics.fmean(b[1] for b in off)
+    err = statistics.stdev(pair) / len(pair) ** 0.5 if len(pair) > 1 else float("nan")
+    ratios = bf.allgather(torch.tensor([[wall_ratio, cpu_ratio, err]], dtype=torch.float64), name="bench.ratio")
+    site_ns, site_total_ns = disabled_site_ns()
+    if bf.rank() == 0:
+        mean_ms = lambda xs, i: statistics.fmean(x[i] for x in xs) * 1e3
+        print(f"agents {bf.size()}, MLP {args.layers} layers x {args.width}, batch {args.batch}, "
+              f"{len(params)} parameters averaged per step; {args.rounds} off/on round pairs x {args.steps} steps")
+        print(f"mean step wall time off {mean_ms(off, 0):.3f} ms, on {mean_ms(on, 0):.3f} ms; "
+              f"process CPU per step off {mean_ms(off, 1):.3f} ms, on {mean_ms(on, 1):.3f} ms")
+        print(f"events per step (rank 0): {events:.0f}")
+        print("on/off ratio per agent: wall " + ", ".join(
+            f"{w:.3f} (+-{e:.3f})" for w, e in zip(ratios[:, 0].tolist(), ratios[:, 2].tolist()))
+            + "; CPU " + ", ".join(f"{x:.3f}" for x in ratios[:, 1].tolist()))
+        print(f"mean wall ratio {ratios[:, 0].mean().item():.3f}, mean CPU ratio {ratios[:, 1].mean().item():.3f}")
+        print(f"disabled event site: {site_total_ns:.0f} ns per call ({site_ns:.0f} ns above an empty call)")
+    bf.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The per-agent timeline (SPEC section 6): files, format, nesting, metadata, control.
+
+Multi-agent tests run real jobs (workers tests/workers/tl_*.py) and check the
+files structurally, the way a trace viewer reads them: per (pid, tid) every
+"E" closes the innermost "B" and timestamps never go backwards (Perfetto drops
+partially overlapping slices).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from bluefog_lite.timeline._reader import metadata, read_events, read_spans
+from mpi_helpers import REPO, WORKERS, run_agents
+
+SUB_PHASES = {"ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "NEGOTIATION",
+              "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE",
+              "ACQUIRE_MUTEX"}
+
+
+# ---- reading a trace -----------------------------------------------------------
+
+class Trace:
+    """One agent's file: names of processes/threads and the spans per (pid, tid),
+    checked as a viewer needs them (read_spans raises on partial overlap)."""
+
+    def __init__(self, events, complete=True):
+        self.events = events
+        self.meta = metadata(events)
+        self.process = {}      # pid -> tensor name
+        self.thread = {}       # (pid, tid) -> thread name
+        for ev in events:
+            if ev.get("ph") == "M" and ev["name"] == "process_name":
+                self.process[ev["pid"]] = ev["args"]["name"]
+            elif ev.get("ph") == "M" and ev["name"] == "thread_name":
+                self.thread[(ev["pid"], ev["tid"])] = ev["args"]["name"]
+        # spans: (tensor, thread name, activity, begin, end, parent activity), by begin
+        self._check_nesting(complete)
+
+    def _check_nesting(self, complete):
+        for ev in self.events:
+            if ev.get("ph") in ("B", "E", "X", "i"):
+                assert (ev["pid"], ev["tid"]) in self.thread and ev["pid"] in self.process, f"unnamed row: {ev}"
+        self.spans = [(self.process[s.pid], self.thread[(s.pid, s.tid)], s.name, s.begin, s.end, s.parent)
+                      for s in read_spans(self.events, complete)]   # raises on bad nesting
+        self.spans.sort(key=lambda s: s[3])
+        self.instants = [(self.process[ev["pid"]], self.thread[(ev["pid"], ev["tid"])], ev["name"])
+                         for ev in self.events if ev.get("ph") == "i"]
+
+    def activities(self, tensor, thread=None):
+        return [s[2] for s in self.spans if s[0] == tensor and (thread is None or s[1] == thread)]
+
+
+def load(prefix, rank, complete=True):
+    path = f"{prefix}{rank}.json"
+    if complete:
+        with open(path) as f:
+            events = json.load(f)          # a clean shutdown leaves a complete JSON array
+    else:
+        events = read_events(path)
+    return Trace(events, complete)
+
+
+# ---- a real run: operations, user activities, hooks --------------------------------
+
+@pytest.fixture(scope="module")
+def ops_traces(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("tl") / "timeline")
+    run_agents(4, "tl_ops.py", timeout=120,
+               env={"BLUEFOG_TIMELINE": prefix, "BLUEFOG_TIMELINE_MARK_CYCLES": "1"})
+    return prefix, [load(prefix, r) for r in range(4)]
+
+
+def test_one_file_per_agent_named_prefix_rank(ops_traces):
+    prefix, traces = ops_traces
+    folder = os.path.dirname(prefix)
+    assert sorted(os.listdir(folder)) == [f"timeline{r}.json" for r in range(4)]
+
+
+def test_metadata_rank_size_host_and_clock_offset(ops_traces):
+    _, traces = ops_traces
+    for r, t in enumerate(traces):
+        m = t.meta
+        assert (m["rank"], m["size"], m["hostname"]) == (r, 4, socket.gethostname())
+        assert m["ts_unit"] == "us" and m["clock_offset_measured"] is True
+        assert isinstance(m["wall_time_of_ts0_us"], float)
+        if r == 0:
+            assert m["clock_offset_us"] == 0.0
+        else:
+            # one host, one monotonic clock: the true offset is 0, and an NTP
+            # estimate is off by at most half its round trip
+            assert abs(m["clock_offset_us"]) <= m["clock_offset_rtt_us"] / 2 + 1.0, m
+
+
+def test_every_op_has_enqueue_on_caller_and_mpi_on_communication_thread(ops_traces):
+    _, traces = ops_traces
+    kinds = {"nar": "NEIGHBOR_ALLREDUCE", "ar": "ALLREDUCE", "bc": "BROADCAST", "ag": "ALLGATHER",
+             "nag": "NEIGHBOR_ALLGATHER", "gossip": "PAIR_GOSSIP", "nb.2": "NEIGHBOR_ALLREDUCE",
+             "ar.nb": "ALLREDUCE"}
+    for t in traces:
+        for tensor, kind in kinds.items():
+            enq = t.activities(tensor, "main")
+            mpi = [a for a in t.activities(tensor, "communication") if a.startswith("MPI_")]
+            assert enq and set(enq) == {f"ENQUEUE_{kind}"}, (tensor, enq)
+            assert mpi and set(mpi) == {f"MPI_{kind}"}, (tensor, mpi)
+            assert len(enq) == len(mpi)
+        assert len(t.activities("nar", "main")) == 3
+
+
+def test_sub_phases_nest_inside_their_mpi_span(ops_traces):
+    _, traces = ops_traces
+    for t in traces:
+        phases = [s for s in t.spans if s[2] in SUB_PHASES]
+        assert {"ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "NEGOTIATION"} <= {s[2] for s in phases}
+        for tensor, thread, activity, _, _, parent in phases:
+            assert thread == "communication"
+            assert parent is not None and parent.startswith("MPI_"), (tensor, activity, parent)
+        nar = t.activities("nar", "communication")
+        assert nar[:4] == ["MPI_NEIGHBOR_ALLREDUCE", "ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE"]
+
+
+def test_mpi_span_lies_within_its_enqueue_span(ops_traces):
+    _, traces = ops_traces
+    for t in traces:
+        # one op per name at a time: an ENQUEUE span never opens inside another
+        assert not [s for s in t.spans if s[2].startswith("ENQUEUE_") and (s[5] or "").startswith("ENQUEUE_")]
+        for tensor in ("nar", "ar", "nb.0", "nb.3"):
+            enq = [s for s in t.spans if s[0] == tensor and s[2].startswith("ENQUEUE_")]
+            mpi = [s for s in t.spans if s[0] == tensor and s[2].startswith("MPI_")]
+            for e, m in zip(enq, mpi):
+                assert e[3] <= m[3] and m[4] <= e[4], (tensor, e, m)
+
+
+def test_user_activities_and_cycle_markers(ops_traces):
+    _, traces = ops_traces
+    for t in traces:
+        assert t.activities("user", "main") == ["LOAD_DATA", "EVALUATE"]
+        cycles = [i for i in t.instants if i[2] == "CYCLE_START"]
+        assert cycles and all(i[:2] == ("cycle", "communication") for i in cycles)
+
+
+def test_forward_backward_share_the_row_of_the_parameter(ops_traces):
+    _, traces = ops_traces
+    params = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
+    for t in traces:
+        for p in params:
+            acts = t.activities(p, "main")
+            assert acts.count("FORWARD") == 3 and acts.count("BACKWARD") == 3, (p, acts)
+            assert acts.count("ENQUEUE_NEIGHBOR_ALLREDUCE") == 3, (p, acts)
+            assert "MPI_NEIGHBOR_ALLREDUCE" in t.activities(p, "communication")
+        # back-propagation runs last layer first: its gradient is ready first
+        bwd_end = {p: max(s[4] for s in t.spans if s[0] == p and s[2] == "BACKWARD") for p in params}
+        assert bwd_end["5.weight"] < bwd_end["3.weight"] < bwd_end["1.weight"] < bwd_end["0.weight"]
+        # processes are numbered in first-seen order: forward order of the layers
+        pid = {name: p for p, name in t.process.items()}
+        assert pid["0.weight"] < pid["1.weight"] < pid["3.weight"] < pid["5.weight"]
+
+
+def test_optimizer_wrappers_record_compute_and_communication_per_parameter(ops_traces):
+    _, traces = ops_traces
+    for t in traces:
+        for tag in ("awc", "atc"):
+            for p in (f"{tag}1.weight", f"{tag}1.bias", f"{tag}2.weight", f"{tag}2.bias"):
+                acts = t.activities(p, "main")
+                # a span split around an overlapping one shows as two slices: count begins
+                assert acts.count("FORWARD") == 3, (p, acts)
+                assert acts.count("ENQUEUE_NEIGHBOR_ALLREDUCE") == 3, (p, acts)
+                assert 3 <= acts.count("BACKWARD") <= 6, (p, acts)
+                assert t.activities(p, "communication").count("MPI_NEIGHBOR_ALLREDUCE") == 3
+
+
+# ---- timeline off, bad prefix ------------------------------------------------------
+
+def test_timeline_off_records_nothing_and_writes_no_file(tmp_path):
+    run_agents(2, "tl_off.py", str(tmp_path), timeout=60, env={"BLUEFOG_TIMELINE": ""})
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_directory_is_a_clear_error_at_init(tmp_path):
+    prefix = str(tmp_path / "no" / "such" / "dir" / "tl")
+    _, out = run_agents(2, "tl_bad_prefix.py", "0,1", str(tmp_path / "no" / "such" / "dir"),
+                        timeout=60, env={"BLUEFOG_TIMELINE": prefix})
+    assert "does not exist" in out
+
+
+def test_unwritable_file_fails_only_on_that_agent(tmp_path):
+    prefix = str(tmp_path / "tl")
+    os.mkdir(prefix + "1.json")           # rank 1's file cannot be opened for writing
+    _, out = run_agents(2, "tl_bad_prefix.py", "1", prefix + "{rank}.json",
+                        timeout=60, env={"BLUEFOG_TIMELINE": prefix})
+    assert "rank 1 error" in out and "rank 0 error" not in out
+    load(prefix, 0)
+
+
+# ---- crash, runtime control, step window --------------------------------------------
+
+def test_killed_agent_leaves_a_loadable_file(tmp_path):
+    prefix = str(tmp_path / "crash")
+    code, out = run_agents(2, "tl_crash.py", "1.5", timeout=60, expect_ok=False,
+                           env={"BLUEFOG_TIMELINE": prefix})
+    assert code != 0 and "killing itself" in out, out[-2000:]
+    with open(prefix + "1.json") as f:
+        text = f.read()
+    assert not text.rstrip().endswith("]"), "a killed agent cannot have terminated its array"
+    trace = load(prefix, 1, complete=False)
+    loops = trace.activities("loop", "main")
+    assert loops.count("ITERATION") > 10 and loops.count("INNER") > 10
+    assert trace.activities("x", "communication")
+
+
+def test_timeline_start_stop_at_run_time(tmp_path):
+    prefix = str(tmp_path / "rt")
+    run_agents(2, "tl_runtime.py", prefix, timeout=60, env={"BLUEFOG_TIMELINE": ""})
+    for r in range(2):
+        t = load(prefix, r)
+        assert t.meta["clock_offset_measured"] is False
+        names = set(t.process.values())
+        assert {"during", "open_at_stop", "u"} <= names
+        assert not names & {"before", "after"}
+        assert t.activities("during", "main") == ["ENQUEUE_NEIGHBOR_ALLREDUCE"]
+        assert t.activities("u", "main") == ["OPEN_AT_STOP"]      # ended by timeline_stop
+        assert "ENQUEUE_NEIGHBOR_ALLREDUCE" in t.activities("open_at_stop", "main")
+        assert any(i[2] == "CYCLE_START" for i in t.instants)     # mark_cycles=True
+
+
+def test_step_window_records_only_its_steps(tmp_path):
+    prefix = str(tmp_path / "win")
+    run_agents(2, "tl_steps.py", timeout=60, env={
+        "BLUEFOG_TIMELINE": prefix, "BLUEFOG_TIMELINE_START_STEP": "2",
+        "BLUEFOG_TIMELINE_END_STEP": "3"})
+    for r in range(2):
+        t = load(prefix, r)
+        assert set(t.process.values()) == {"step2", "step3"}
+        assert (t.meta["start_step"], t.meta["end_step"]) == (2, 3)
+
+
+def test_bfrun_timeline_filename_and_mark_cycles(tmp_path):
+    """The launcher's flags reach every agent: relative prefix, cycle markers."""
+    cmd = [sys.executable, os.path.join(REPO, "bfrun"), "-np", "2", "--timeline-filename", "tl_",
+           "--timeline-mark-cycles", sys.executable, os.path.join(WORKERS, "tl_bfrun.py")]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)    # bfrun takes its ranks down
+        out, _ = proc.communicate()
+        pytest.fail(f"bfrun did not finish in 90 s:\n{out[-3000:]}")
+    assert proc.returncode == 0 and out.count("AGENT OK") == 2, out[-3000:]
+    for r in range(2):
+        t = load(str(tmp_path / "tl_"), r)
+        assert t.meta["prefix"] == str(tmp_path / "tl_")
+        assert t.activities("x", "communication").count("MPI_NEIGHBOR_ALLREDUCE") == 3
+        assert any(i[2] == "CYCLE_START" for i in t.instants)

@@ -1,0 +1,124 @@
+"""The timeline writer and control, in one process (no MPI job): nesting repair,
+escaping, crash-safe partial files, environment validation."""
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from bluefog_lite.timeline import _api, _control, _recorder
+from bluefog_lite.timeline._reader import read_events, read_spans
+from bluefog_lite.timeline._writer import Writer
+
+META = {"rank": 0}
+
+
+def write(tmp_path, events, names=None):
+    """Run a Writer over synthetic event tuples; return the parsed file."""
+    rec = _recorder.Recorder()
+    rec.events.extend(events)
+    path = tmp_path / "t0.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    w = Writer(fd, str(path), rec, META, names or {})
+    w.close(10_000_000)
+    with open(path) as f:
+        return json.load(f), w
+
+
+def spans(events):
+    """(pid, name, begin, end) per slice; read_spans asserts proper nesting per (pid, tid)."""
+    return sorted((s.pid, s.name, s.begin, s.end) for s in read_spans(events))
+
+
+def test_partially_overlapping_spans_are_split_to_nest(tmp_path):
+    t = 1
+    events, w = write(tmp_path, [("B", 1000, "p", "BACKWARD", t), ("B", 2000, "p", "ENQUEUE_X", t),
+                                 ("E", 3000, "p", "BACKWARD", t), ("E", 5000, "p", "ENQUEUE_X", t)])
+    got = sorted((name, b, e) for _, name, b, e in spans(events))
+    assert got == [("BACKWARD", 1.0, 3.0), ("ENQUEUE_X", 2.0, 3.0), ("ENQUEUE_X", 3.0, 5.0)]
+
+
+def test_anonymous_end_skips_scoped_spans(tmp_path):
+    """A communication launched after forward (adapt-with-combine) is still in
+    flight when the parameter's BACKWARD (a scoped span) begins; the op's end,
+    recorded by the communication thread without an activity, must close the
+    ENQUEUE span, not BACKWARD."""
+    t = 1
+    events, w = write(tmp_path, [("B", 1000, "p", "ENQUEUE_X", t), ("S", 2000, "p", "BACKWARD", t),
+                                 ("E", 3000, "p", None, t), ("E", 4000, "p", "BACKWARD", t)])
+    got = sorted((name, b, e) for _, name, b, e in spans(events))
+    assert got == [("BACKWARD", 2.0, 3.0), ("BACKWARD", 3.0, 4.0), ("ENQUEUE_X", 1.0, 3.0)]
+    assert w.dropped_ends == 0
+
+
+def test_unmatched_end_is_dropped_and_open_spans_end_at_stop(tmp_path):
+    events, w = write(tmp_path, [("E", 1000, "a", None, 7), ("B", 2000, "a", "X", 7),
+                                 ("E", 2500, "a", "NOT_OPEN", 7)])
+    assert w.dropped_ends == 2
+    assert [(n, b, e) for _, n, b, e in spans(events)] == [("X", 2.0, 10000.0)]
+    assert events[-1]["name"] == "bluefog_end" and events[-1]["args"]["clean_shutdown"]
+
+
+def test_time_never_goes_backwards_on_a_row(tmp_path):
+    # the end of an ENQUEUE is stamped by the communication thread: it may be a hair early
+    events, _ = write(tmp_path, [("B", 5000, "a", "X", 1), ("E", 4990, "a", None, 1)])
+    assert spans(events) == [(1, "X", 5.0, 5.0)]
+
+
+def test_names_are_escaped_and_rows_named(tmp_path):
+    odd = 'we"ird\\name\n'
+    main = threading.main_thread().ident
+    events, _ = write(tmp_path, [("B", 1234567, odd, 'A"B', main), ("E", 1234999, odd, None, 99)],
+                      names={main: "main"})
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert procs == {1: odd}
+    assert threads == {(1, 1): "main", (1, 2): "thread-2"}
+    b = next(e for e in events if e["ph"] == "B")
+    assert b["name"] == 'A"B' and b["ts"] == 1234.567
+
+
+def test_file_loads_while_being_written(tmp_path):
+    """What a kill -9 leaves: the lines flushed so far, as an unterminated array."""
+    rec = _recorder.Recorder()
+    path = tmp_path / "t0.json"
+    w = Writer(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), str(path), rec, META, {})
+    w.start()
+    for k in range(100):
+        rec.begin("x", "A", 1)
+        rec.end("x", 1)
+    time.sleep(0.2)                         # > the 100 ms flush bound
+    events = read_events(path)
+    assert sum(e["ph"] == "B" for e in events) == 100
+    w.close(time.perf_counter_ns())
+    with open(path) as f:
+        assert len(json.load(f)) == len(events) + 1
+
+
+def test_reader_drops_a_torn_last_line(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('[\n{"name":"bluefog_metadata","ph":"M","pid":0,"tid":0,"args":{}},\n{"name":"A","ph":"B","ts":1')
+    assert len(read_events(path)) == 1
+
+
+def test_user_api_off_is_false_and_validates():
+    assert _recorder.current is None
+    assert _api.timeline_start_activity("t", "A") is False
+    assert _api.timeline_end_activity("t") is False
+    with _api.timeline_context("t", "A") as on:
+        assert on is False
+    with pytest.raises(TypeError, match="tensor_name"):
+        _api.timeline_start_activity(3, "A")
+    with pytest.raises(TypeError, match="activity_name"):
+        _api.timeline_context("t", "")
+
+
+@pytest.mark.parametrize("start,end,message", [("x", "", "BLUEFOG_TIMELINE_START_STEP"),
+                                               ("", "-1", "BLUEFOG_TIMELINE_END_STEP"),
+                                               ("5", "2", "must be >=")])
+def test_step_window_variables_are_validated(monkeypatch, start, end, message):
+    monkeypatch.setenv("BLUEFOG_TIMELINE_START_STEP", start)
+    monkeypatch.setenv("BLUEFOG_TIMELINE_END_STEP", end)
+    with pytest.raises(ValueError, match=message):
+        _control._window_from_environment()

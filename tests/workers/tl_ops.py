@@ -1,0 +1,69 @@
+"""Every kind of operation, user activities and a hooked model, with the timeline on
+(BLUEFOG_TIMELINE set by the test, which then checks the files)."""
+import torch
+
+import bluefog_lite as bf
+from bluefog_lite.timeline import _recorder
+
+bf.init()
+assert _recorder.current is not None, "BLUEFOG_TIMELINE is set: the timeline must be recording"
+r = bf.rank()
+x = torch.full((64,), float(r))
+for _ in range(3):
+    bf.neighbor_allreduce(x, name="nar")
+bf.allreduce(x, name="ar")
+bf.broadcast(x, 0, name="bc")
+bf.allgather(x.view(8, 8), name="ag")
+bf.neighbor_allgather(x.view(8, 8), name="nag")
+bf.pair_gossip(x, r ^ 1, name="gossip")
+handles = [bf.neighbor_allreduce_nonblocking(x * i, name=f"nb.{i}") for i in range(4)]
+handles.append(bf.allreduce_nonblocking(x, name="ar.nb"))
+for h in handles:
+    bf.synchronize(h)
+
+assert bf.timeline_start_activity("user", "LOAD_DATA") is True
+assert bf.timeline_end_activity("user") is True
+with bf.timeline_context("user", "EVALUATE") as on:
+    assert on is True
+
+torch.manual_seed(r)
+model = torch.nn.Sequential(
+    torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(inplace=True),
+    torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+hooks = bf.timeline_install_hooks(model)
+assert len(hooks) > 0
+for step in range(3):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    grads = [bf.neighbor_allreduce_nonblocking(p.grad, name=n) for n, p in model.named_parameters()]
+    for h in grads:
+        bf.synchronize(h)
+    model.zero_grad()
+hooks.remove()
+
+
+class Net(torch.nn.Module):
+    """Distinct parameter names per wrapper, so each optimizer gets its own rows."""
+
+    def __init__(self, tag):
+        super().__init__()
+        setattr(self, f"{tag}1", torch.nn.Linear(8, 16))
+        setattr(self, f"{tag}2", torch.nn.Linear(16, 1))
+        self.tag = tag
+
+    def forward(self, x):
+        return getattr(self, f"{self.tag}2")(torch.relu(getattr(self, f"{self.tag}1")(x)))
+
+
+# the optimizer wrappers install the timeline hooks themselves when a timeline is on:
+# AWC sends each parameter right after its module's forward (in flight during
+# BACKWARD), ATC right after its gradient is ready
+for tag, wrapper in (("awc", bf.DistributedAdaptWithCombineOptimizer),
+                     ("atc", bf.DistributedAdaptThenCombineOptimizer)):
+    net = Net(tag)
+    opt = wrapper(torch.optim.SGD(net.parameters(), lr=0.01), net)
+    for step in range(3):
+        opt.zero_grad()
+        net(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+bf.shutdown()
+print(f"AGENT OK {r}", flush=True)
