@@ -64,6 +64,14 @@ class Turn:
         self.seq = seq
 
 
+class Sleep:
+    """Resume after ``seconds`` (a backoff that neither spins nor blocks the loop)."""
+    __slots__ = ("until", "what")
+
+    def __init__(self, seconds, what="a backoff"):
+        self.until, self.what = time.monotonic() + seconds, what
+
+
 class OpTimeout(TimeoutError):
     pass
 
@@ -192,9 +200,6 @@ class Engine:
     # ---- the loop ---------------------------------------------------------
     def _run(self):
         torch.set_grad_enabled(False)   # thread-local: nothing done here is differentiated
-        rec = tl.current
-        if rec is not None:
-            rec.name_thread("communication")
         status = MPI.Status()
         idle = 0
         last_inspect = time.monotonic()
@@ -278,6 +283,10 @@ class Engine:
             if not MPI.Request.Testall(w.reqs):
                 return False
             value = None
+        elif isinstance(w, Sleep):
+            if time.monotonic() < w.until:
+                return False
+            value = None
         else:
             return False
         self._step(op, value)
@@ -301,8 +310,9 @@ class Engine:
         op.data_requests = []
         self.posted_collective(op)
         tl.end(op.name)
+        # before done.set(): the caller may resubmit the name as soon as it wakes
+        tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
         op.done.set()
-        tl.end(op.name, op.caller_tid)
 
     # ---- stall inspector --------------------------------------------------
     def _missing(self, op):
@@ -313,6 +323,8 @@ class Engine:
             return "an earlier collective operation"
         if isinstance(w, Requests):
             return f"unknown ranks (inside {w.what})"
+        if isinstance(w, Sleep):
+            return w.what
         return "the completion of its own sends"
 
     def _inspect_stalls(self, now):
