@@ -1,16 +1,337 @@
-"""One-sided window operations (MPI RMA windows driven by the communication thread)."""
+"""One-sided window operations: validate, name, enqueue (the MPI RMA part runs on
+the communication thread, _win_tasks.py).
+
+A window is created collectively from a tensor; each agent then owns one receive
+buffer per in-neighbor of the topology the window was created with. Puts,
+accumulates and gets complete without the other agent taking part, which is
+what asynchronous algorithms (push-sum, asynchronous SGD) are built on.
+"""
+import contextlib
+import itertools
+import time
+
+import torch
+
+from . import _win_tasks
 from ._runtime import state
+from .ops import _rank, _weight, _weight_dict
+
+_WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
+_with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)
+_poke_before = None
+
+
+# ---- argument checks -------------------------------------------------------------
+
+def _window(name, what):
+    st = state()
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: name must be a window name (str), got {name!r}")
+    win = st.windows.get(name)
+    if win is None:
+        known = sorted(st.windows)
+        raise ValueError(f"{what}: no window named {name!r} on rank {st.rank} "
+                         f"(existing windows: {known}); create it with win_create first")
+    return st, win
+
+
+def _describe(dtype, shape):
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+
+
+def _matching_tensor(tensor, win, what):
+    """The contiguous tensor to send; it must be shaped and typed like the window."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape or tensor.device.type != "cpu":
+        raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} on {tensor.device} does "
+                         f"not match window {win.name!r} ({_describe(win.dtype, win.shape)} on cpu)")
+    return tensor.detach().contiguous()
+
+
+def _neighbor_weights(weights, allowed, what, direction, st, win):
+    """{rank: weight} from a dict or a list of ranks; every rank must be a neighbor."""
+    given = _weight_dict(weights, what, st.size, st.rank)
+    stray = sorted(set(given) - set(allowed))
+    if stray:
+        raise ValueError(f"{what} names ranks {stray} that are not {direction}-neighbors of rank "
+                         f"{st.rank} ({sorted(allowed)}) in the topology window {win.name!r} was "
+                         "created with; windows only move data along its edges")
+    return given
+
+
+def _create_problem(tensor, name, st):
+    """(error type name, message) for bad win_create input on this agent, or None."""
+    if not isinstance(name, str) or not name:
+        return "TypeError", f"name must be a non-empty string, got {name!r}"
+    if name in st.windows:
+        return "ValueError", f"a window named {name!r} already exists (win_free it first)"
+    if not isinstance(tensor, torch.Tensor):
+        return "TypeError", f"tensor must be a torch.Tensor, got {type(tensor).__name__}"
+    if tensor.device.type != "cpu" or tensor.is_sparse:
+        return "TypeError", f"tensor must be a dense CPU tensor, got layout {tensor.layout} on {tensor.device}"
+    if tensor.dtype not in _win_tasks.MPI_TYPES:
+        allowed = sorted(str(d).replace("torch.", "") for d in _win_tasks.MPI_TYPES)
+        return "TypeError", f"windows support dtypes {allowed}, got {str(tensor.dtype).replace('torch.', '')}"
+    return None
+
+
+# ---- submission and handles ------------------------------------------------------
+
+def _unsynchronized(eng, handles):
+    """The (handle, op name) pairs not yet synchronized: their names stay reserved."""
+    live = []
+    for h, op_name in handles:
+        try:
+            eng.poll(h)
+        except ValueError:      # synchronized: the name is free again
+            continue
+        live.append((h, op_name))
+    return live
+
+
+def _running(eng, handles):
+    out = []
+    for h, op_name in handles:
+        try:
+            if not eng.poll(h):
+                out.append((h, op_name))
+        except ValueError:
+            pass
+    return out
+
+
+def _submit(win, kind, make_task):
+    """Enqueue a window op under the window's name, or a numbered variant while that
+    name is taken (ops keep their names until synchronized). Ops of one window run
+    in the order they were issued."""
+    eng = state().engine
+    win.handles = _unsynchronized(eng, win.handles)
+    used = {n for _, n in win.handles}
+    for k in itertools.count():
+        op_name = f"{win.name}#{k}" if k else win.name
+        if op_name in used:
+            continue
+        try:
+            # The engine builds the task under its queue lock once the name is accepted:
+            # tickets follow queue order and no ticket is lost to a refused name.
+            h = eng.submit(op_name, kind, lambda op: _win_tasks.in_order(
+                win, win.take_ticket(), make_task(eng, op)))
+        except ValueError:      # a non-window op of that name is in flight
+            if k > 1000:
+                raise
+            continue
+        win.handles.append((h, op_name))
+        return h
+
+
+def win_poll(handle):
+    """True when the nonblocking window operation behind handle has finished."""
+    return state().engine.poll(handle)
+
+
+def win_wait(handle):
+    """Wait for a nonblocking window operation, free its handle, return its result."""
+    return state().engine.synchronize(handle)
+
+
+# ---- create / free -------------------------------------------------------------------
+
+def win_create(tensor, name, zero_init=False):
+    """Create window ``name`` from ``tensor`` (collective: every agent calls it with a
+    tensor of the same shape and dtype). Each agent gets one buffer per in-neighbor,
+    a copy of that neighbor's tensor (zeros with zero_init). The window keeps
+    ``tensor`` itself: win_update writes into it. The topology is frozen until the
+    window is freed. Bad input on any agent raises the same error on all of them."""
+    global _poke_before
+    st = state()
+    eng = st.engine
+    problem = _create_problem(tensor, name, st)
+    win = meta = None
+    if problem is None:
+        win = _win_tasks.Window(name, tensor, st.topology, st.rank, st.size)
+        meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
+    h = eng.submit("win_create", "WIN_CREATE", lambda op: _win_tasks.create(
+        eng, op, win, problem, meta, bool(zero_init)))
+    multi_host = eng.synchronize(h)
+    if multi_host and _poke_before is None:
+        # Off-host targets need their own MPI progress for puts to complete; on one
+        # host the windows are shared memory and the default poke costs less.
+        _poke_before = eng.progress_poke_s
+        eng.progress_poke_s = min(_poke_before, _WINDOW_POKE_S)
+    st.windows[name] = win
+    return True
+
+
+def _wait_idle(eng, wins):
+    """Wait (sleeping) until this agent's operations on wins have finished."""
+    delay = 1e-4
+    while any(_running(eng, w.handles) for w in wins):
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 def win_free(name=None):
-    """Free one window (by name) or all of them (name=None)."""
+    """Free window ``name``, or every window when name is None (collective)."""
+    global _poke_before
     st = state()
+    eng = st.engine
+    problem = None
     if name is None:
-        names = list(st.windows)
+        names = sorted(st.windows)
+        if not names:
+            return True
+    elif not isinstance(name, str) or name not in st.windows:
+        names = [name] if isinstance(name, str) else []
+        problem = ("ValueError", f"no window named {name!r} (existing windows: {sorted(st.windows)})")
     else:
-        if name not in st.windows:
-            raise ValueError(f"win_free: no window named {name!r}")
         names = [name]
+    wins = [st.windows[n] for n in names if n in st.windows] if problem is None else []
+    _wait_idle(eng, wins)
+    h = eng.submit("win_free", "WIN_FREE", lambda op: _win_tasks.free(eng, op, wins, names, problem))
+    eng.synchronize(h)
     for n in names:
-        st.windows.pop(n).free()
+        del st.windows[n]
+    if not st.windows and _poke_before is not None:
+        eng.progress_poke_s, _poke_before = _poke_before, None
     return True
+
+
+def get_current_created_window_names():
+    return sorted(state().windows)
+
+
+# ---- put / accumulate / get ---------------------------------------------------------
+
+def _put_nonblocking(kind, tensor, name, self_weight, dst_weights, require_mutex):
+    what = kind.lower()
+    st, win = _window(name, what)
+    x = _matching_tensor(tensor, win, what)
+    if dst_weights is None:
+        dstw = {r: 1.0 for r in win.out_ranks}
+    else:
+        dstw = _neighbor_weights(dst_weights, win.out_ranks, f"{what}: dst_weights", "out", st, win)
+    sw = None if self_weight is None else _weight(self_weight, f"{what}: self_weight")
+    accumulate, with_p = kind == "WIN_ACCUMULATE", _with_p
+    return _submit(win, kind, lambda eng, op: _win_tasks.put(
+        eng, op, win, tensor, x, dstw, sw, bool(require_mutex), accumulate, with_p))
+
+
+def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+    """Write dst_weights[j] * tensor into this agent's buffer at each out-neighbor j
+    (default: every out-neighbor, weight 1), then multiply ``tensor`` by self_weight
+    in place (if given). With require_mutex, the targets' mutexes are held meanwhile.
+    Returns a handle for win_poll / win_wait."""
+    return _put_nonblocking("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex)
+
+
+def win_put(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+    return win_wait(win_put_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
+
+
+def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+    """Like win_put_nonblocking, but adds into the target buffers."""
+    return _put_nonblocking("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex)
+
+
+def win_accumulate(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
+    return win_wait(win_accumulate_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
+
+
+def win_get_nonblocking(name, src_weights=None, require_mutex=False):
+    """Fetch src_weights[j] * (in-neighbor j's window tensor) into this agent's buffer
+    for j (default: every in-neighbor, weight 1). What is fetched is j's exposed
+    copy, refreshed by j's own win_create / win_update / win_get."""
+    st, win = _window(name, "win_get")
+    if src_weights is None:
+        srcw = {r: 1.0 for r in win.in_ranks}
+    else:
+        srcw = _neighbor_weights(src_weights, win.in_ranks, "win_get: src_weights", "in", st, win)
+    with_p = _with_p
+    return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(
+        eng, op, win, srcw, bool(require_mutex), with_p))
+
+
+def win_get(name, src_weights=None, require_mutex=False):
+    return win_wait(win_get_nonblocking(name, src_weights, require_mutex))
+
+
+# ---- update ---------------------------------------------------------------------------
+
+def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone=False,
+               require_mutex=False):
+    """self <- self_weight * self + sum_j neighbor_weights[j] * buffer_j, written into
+    the window's tensor (or a new tensor with clone=True), which is returned.
+    Defaults: the topology's weights if it is weighted, else uniform 1/(in-degree+1).
+    reset zeroes the buffers used; require_mutex holds this agent's own mutex."""
+    st, win = _window(name, "win_update")
+    if (self_weight is None) != (neighbor_weights is None):
+        raise ValueError("win_update: self_weight and neighbor_weights must be given together (or neither)")
+    if self_weight is None:
+        sw, nbw = win.self_weight, dict(win.src_weights)
+    else:
+        sw = _weight(self_weight, "win_update: self_weight")
+        nbw = _neighbor_weights(neighbor_weights, win.in_ranks, "win_update: neighbor_weights", "in",
+                                st, win)
+    with_p = _with_p
+    return win_wait(_submit(win, "WIN_UPDATE", lambda eng, op: _win_tasks.update(
+        eng, op, win, sw, nbw, bool(reset), bool(clone), bool(require_mutex), with_p)))
+
+
+def win_update_then_collect(name, require_mutex=True):
+    """self <- self + sum of all buffers, then zero the buffers: collects everything
+    the in-neighbors accumulated since the last collect."""
+    _, win = _window(name, "win_update_then_collect")
+    return win_update(name, 1.0, {r: 1.0 for r in win.in_ranks}, reset=True,
+                      require_mutex=require_mutex)
+
+
+# ---- mutex, versions, push-sum weight ---------------------------------------------------
+
+@contextlib.contextmanager
+def win_mutex(name, for_self=False, ranks=None):
+    """Hold the distributed mutex of window ``name`` on ``ranks`` (default: the
+    out-neighbors, or this agent with for_self=True) for the body of the with-block.
+    Window ops of this agent that require the same mutexes run inside it."""
+    st, win = _window(name, "win_mutex")
+    if ranks is None:
+        targets = [st.rank] if for_self else list(win.out_ranks)
+    else:
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise TypeError(f"win_mutex: ranks must be a list of ranks, got {ranks!r}")
+        targets = [_rank(r, "win_mutex: rank", st.size) for r in ranks]
+        if for_self:
+            targets.append(st.rank)
+    targets = sorted(set(targets))
+    win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets)))
+    try:
+        yield
+    finally:
+        win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets)))
+
+
+def get_win_version(name):
+    """{in-neighbor rank: number of puts/accumulates it made into this agent's buffer
+    since this agent last read that buffer (win_update / win_get)}. A counted write
+    has fully landed: the counter is bumped after the data."""
+    _, win = _window(name, "get_win_version")
+    return {r: int(win.versions[i]) for i, r in enumerate(win.in_ranks)}
+
+
+def turn_on_win_ops_with_associated_p():
+    """Carry a push-sum weight p with window ops (see win_associated_p)."""
+    global _with_p
+    _with_p = True
+
+
+def turn_off_win_ops_with_associated_p():
+    global _with_p
+    _with_p = False
+
+
+def win_associated_p(name):
+    """The push-sum weight p of this agent's window: 1.0 at creation; win_put /
+    win_accumulate send dst_weight * p and scale p by self_weight; win_update
+    combines p with the same weights as the data."""
+    _, win = _window(name, "win_associated_p")
+    return float(win.p[0])

@@ -1,0 +1,429 @@
+"""What window operations do on the communication thread: MPI RMA on one
+``Win.Allocate`` window per bluefog window, in one passive-target epoch.
+
+Memory of one agent's window (byte offsets, ``k`` = its in-degree in the topology
+the window was created with)::
+
+    0                 mutex word (int64: 0 free, else holder rank + 1)
+    8 .. 8+8k         versions[i]: puts/accumulates in-neighbor i made since the last read
+    8+8k ..           p[0] (own push-sum weight), p[1+i] (weight that came with buffer i), float64
+    data              the *exposed copy* of the agent's window tensor (read by win_get)
+    data + (1+i)*slot buffer i: what in-neighbor ``in_ranks[i]`` wrote
+
+Why this shape (see LIMITS.md point 3): ``Win.Allocate`` memory is shared memory
+between agents of one host, and with ``Lock_all(MODE_NOCHECK)`` taken once at
+creation a put, an accumulate, a flush and the atomics of the mutex need no MPI
+call from the target at all. Off-host, the target's communication thread drives
+progress with its idle poke (lowered to 1 ms while windows span hosts). No call here waits on
+another agent for long, except ``Win.Allocate``/``Win.Free`` which are collective
+and negotiated first.
+"""
+import sys
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from ._engine import OpTimeout, Requests, Sleep, Turn
+from ._mpi import MPI
+from ._tasks import _Phase, exchange_headers
+
+MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
+             torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
+             torch.uint8: MPI.UINT8_T}
+_ALIGN = 64
+_ONE = np.ones(1, np.int64)
+_ZERO = np.zeros(1, np.int64)
+
+
+def _aligned(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Layout:
+    """Byte offsets inside the window memory of an agent with in-degree k."""
+    __slots__ = ("k", "slot", "data", "size")
+
+    def __init__(self, k, nbytes):
+        self.k = k
+        self.slot = _aligned(nbytes)
+        self.data = _aligned(8 + 8 * k + 8 * (k + 1))
+        self.size = self.data + (k + 1) * self.slot
+
+    @staticmethod
+    def version(i):
+        return 8 + 8 * i
+
+    def p(self, i):
+        """Offset of p[i]: i = 0 own weight, 1 + j the weight of buffer j."""
+        return 8 + 8 * self.k + 8 * i
+
+    def buf(self, i):
+        return self.data + (i + 1) * self.slot
+
+
+class Window:
+    """One window as both threads see it. Fixed at creation: the tensor, its
+    shape/dtype, the topology (neighbors, default weights, everyone's in-degree)."""
+
+    def __init__(self, name, tensor, topology, rank, size):
+        self.name, self.tensor, self.rank = name, tensor, rank
+        self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.mpi_type = MPI_TYPES[tensor.dtype]
+        G = topology.graph
+        ins = {r: sorted(s for s in G.predecessors(r) if s != r) for r in range(size)}
+        self.in_ranks, self.out_ranks = list(topology.in_ranks), list(topology.out_ranks)
+        self.in_index = {r: i for i, r in enumerate(self.in_ranks)}
+        self.self_weight, self.src_weights = topology.self_weight, dict(topology.src_weights)
+        self.layouts = [Layout(len(ins[r]), self.nbytes) for r in range(size)]
+        self.slot_at = {dst: ins[dst].index(rank) for dst in self.out_ranks}
+        self.layout = self.layouts[rank]
+        self.win = None
+        self.held = {}          # rank -> hold count of its mutex (communication thread only)
+        self.handles = []       # (handle, op name) of this window's ops (caller side)
+        self.tickets = 0        # next ticket (taken under the engine's queue lock): program order
+        self.serving = 0        # lowest ticket not yet finished (communication thread)
+        self._finished = set()
+        self.versions = self.p = self.exposed = None
+        self.buffers = []
+
+    def take_ticket(self):
+        t, self.tickets = self.tickets, self.tickets + 1
+        return t
+
+    def finish(self, ticket):
+        self._finished.add(ticket)
+        while self.serving in self._finished:
+            self._finished.discard(self.serving)
+            self.serving += 1
+
+    def attach(self, win):
+        self.win = win
+        lay = self.layout
+        mem = np.frombuffer(win.tomemory(), dtype=np.uint8)
+        self.versions = mem[8:8 + 8 * lay.k].view(np.int64)
+        self.p = mem[lay.p(0):lay.p(lay.k + 1)].view(np.float64)
+        np_dtype = torch.empty(0, dtype=self.dtype).numpy().dtype
+
+        def view(off):
+            return torch.from_numpy(mem[off:off + self.nbytes].view(np_dtype)).view(self.shape)
+        self.exposed = view(lay.data)
+        self.buffers = [view(lay.buf(i)) for i in range(lay.k)]
+
+    def detach(self):
+        """Drop every view of the MPI memory before it is freed."""
+        self.versions = self.p = self.exposed = None
+        self.buffers = []
+        self.win = None
+
+
+def in_order(win, ticket, task):
+    """Run generator ``task`` after every earlier op of this window has finished, so
+    that e.g. a nonblocking put and a following accumulate land in program order."""
+    try:
+        while win.serving != ticket:
+            yield Sleep(5e-5, f"earlier operations of this agent on window {win.name!r}")
+        return (yield from task)
+    finally:
+        win.finish(ticket)
+
+
+# ---- small RMA helpers (all on the communication thread) ---------------------------
+
+def _wait_local(req, what):
+    if not req.Test():
+        yield Requests([req], what)
+
+
+def _reset_versions(win, indices):
+    """Zero my version counters with MPI atomics: remote increments are atomics too."""
+    for i in indices:
+        win.win.Accumulate([_ZERO, MPI.INT64_T], win.rank, target=Layout.version(i), op=MPI.REPLACE)
+    if indices:
+        win.win.Flush(win.rank)
+
+
+def _publish(win):
+    """Refresh the exposed copy that neighbors' win_get reads."""
+    if win.nbytes:
+        win.exposed.copy_(win.tensor.detach())
+        win.win.Sync()      # local stores visible to RMA readers (separate memory model)
+
+
+def _scaled(x, w):
+    if x.is_floating_point():
+        return x * w
+    return torch.round(x.to(torch.float64) * w).to(x.dtype)
+
+
+def weighted_sum(out, x, self_weight, terms):
+    """out = self_weight * x + sum(w * v); integers are summed in float64 and rounded."""
+    if out.is_floating_point():
+        torch.mul(x, self_weight, out=out)
+        for v, w in terms:
+            if w != 0:
+                out.add_(v, alpha=w)
+        return out
+    acc = x.to(torch.float64).mul_(self_weight)
+    for v, w in terms:
+        if w != 0:
+            acc.add_(v.to(torch.float64), alpha=w)
+    return out.copy_(acc.round_())
+
+
+# ---- the distributed mutex ----------------------------------------------------------
+
+def _cas(win, target, compare, value):
+    origin = np.array([value], np.int64)
+    expect = np.array([compare], np.int64)
+    result = np.zeros(1, np.int64)
+    win.win.Compare_and_swap([origin, MPI.INT64_T], [expect, MPI.INT64_T], [result, MPI.INT64_T],
+                             target, 0)
+    win.win.Flush(target)
+    return int(result[0])
+
+
+def acquire(eng, win, ranks):
+    """Take the mutex word of ``win`` at each rank, in ascending order (so that agents
+    taking several never deadlock). Compare-and-swap, then a sleeping exponential
+    backoff while someone else holds it; re-entrant per agent. On failure (timeout,
+    the op closed) the mutexes taken so far are given back."""
+    taken = []
+    try:
+        for r in sorted(ranks):
+            if not win.held.get(r):
+                yield from _take(eng, win, r)
+            win.held[r] = win.held.get(r, 0) + 1
+            taken.append(r)
+    except BaseException:
+        release(win, taken)
+        raise
+
+
+def _take(eng, win, r):
+    me = win.rank
+    start, delay, warned = time.monotonic(), 2e-5, False
+    while True:
+        holder = _cas(win, r, 0, me + 1)
+        if holder == 0:
+            return
+        waited = time.monotonic() - start
+        what = f"the mutex of window {win.name!r} on rank {r} (held by rank {holder - 1})"
+        if not warned and waited > eng.stall_warning_s:
+            warned = True
+            sys.stderr.write(f"bluefog_lite WARNING (rank {me}): waited {waited:.1f} s for {what}\n")
+            sys.stderr.flush()
+        if eng.op_timeout_s > 0 and waited > eng.op_timeout_s:
+            raise OpTimeout(f"rank {me} timed out after {waited:.1f} s waiting for {what} "
+                            f"(BLUEFOG_OP_TIMEOUT_S={eng.op_timeout_s:g})")
+        yield Sleep(delay, what)
+        delay = min(delay * 2, 1e-3)
+
+
+def release(win, ranks):
+    for r in sorted(ranks, reverse=True):
+        win.held[r] -= 1
+        if win.held[r] == 0:
+            del win.held[r]
+            win.win.Accumulate([_ZERO, MPI.INT64_T], r, target=0, op=MPI.REPLACE)
+            win.win.Flush(r)
+
+
+def _locked(eng, op, win, ranks, require):
+    """Acquire when required; returns the ranks to release."""
+    if not require or not ranks:
+        return []
+    with _Phase(op.name, "ACQUIRE_MUTEX"):
+        yield from acquire(eng, win, ranks)
+    return list(ranks)
+
+
+def mutex_acquire(eng, op, win, ranks):
+    with _Phase(op.name, "ACQUIRE_MUTEX"):
+        yield from acquire(eng, win, ranks)
+    return True
+
+
+def mutex_release(eng, op, win, ranks):
+    release(win, ranks)
+    return True
+    yield  # unreachable: makes this a generator, the form of every task
+
+
+# ---- collective: create, free ---------------------------------------------------------
+
+def _raise_problems(op, views):
+    problems = [(r, v[0]) for r, v in enumerate(views) if v[0] is not None]
+    if not problems:
+        return
+    kind = TypeError if problems[0][1][0] == "TypeError" else ValueError
+    listing = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in problems)
+    raise kind(f"{op.kind.lower()} failed on every agent because of bad input ({listing})")
+
+
+_hosts_spanned = weakref.WeakKeyDictionary()    # engine -> do its agents span several hosts?
+
+
+def _spans_hosts(eng):
+    """Collective the first time (every agent creates its first window together)."""
+    if eng not in _hosts_spanned:
+        local = eng.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        _hosts_spanned[eng] = local.Get_size() < eng.size
+        local.Free()
+    return _hosts_spanned[eng]
+
+
+def create(eng, op, win, problem, meta, zero_init):
+    """problem: None or (error type name, message) found by this agent's checks.
+    Returns whether the agents span several hosts (then targets need progress pokes)."""
+    views = yield from exchange_headers(eng, op, (problem, meta, zero_init))
+    _raise_problems(op, views)
+    if len({v[1] for v in views}) != 1:
+        listing = ", ".join(f"rank {r}: {v[1][0]!r} {v[1][1]}{list(v[1][2])}" for r, v in enumerate(views))
+        raise ValueError(f"win_create: agents passed different windows ({listing}); every agent must "
+                         "create the window with the same name and a tensor of the same shape and dtype")
+    yield Turn(op.coll_seq)
+    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+        multi_host = _spans_hosts(eng)
+        mpi_win = MPI.Win.Allocate(win.layout.size, 1, comm=eng.comm)
+        win.attach(mpi_win)
+        mpi_win.Lock_all(MPI.MODE_NOCHECK)
+        win.versions[:] = 0
+        win.p[:] = 0.0 if zero_init else 1.0
+        win.p[0] = 1.0
+        np.frombuffer(mpi_win.tomemory(), dtype=np.uint8)[:8] = 0     # the mutex word
+        _publish(win)
+        if zero_init:
+            for b in win.buffers:
+                b.zero_()
+    with _Phase(op.name, "COMMUNICATE"):
+        # Buffers start as a copy of the neighbor's tensor: each agent pushes its own.
+        src = win.tensor.detach().contiguous()
+        for dst in win.out_ranks:
+            if win.nbytes and not views[dst][2]:
+                lay = win.layouts[dst]
+                mpi_win.Put([src.numpy(), win.mpi_type], dst, target=lay.buf(win.slot_at[dst]))
+        mpi_win.Flush_all()
+        req = eng.comm.Ibarrier()
+        eng.posted_collective(op)
+        yield Requests([req], "MPI_Ibarrier closing win_create")
+    return multi_host
+
+
+def free(eng, op, wins, names, problem):
+    views = yield from exchange_headers(eng, op, (problem, names))
+    _raise_problems(op, views)
+    if len({tuple(v[1]) for v in views}) != 1:
+        listing = ", ".join(f"rank {r}: {list(v[1])}" for r, v in enumerate(views))
+        raise ValueError(f"win_free: agents asked to free different windows ({listing}); "
+                         "every agent must free the same windows")
+    yield Turn(op.coll_seq)
+    with _Phase(op.name, "COMMUNICATE"):
+        for w in wins:
+            mpi_win = w.win
+            w.detach()
+            mpi_win.Unlock_all()
+            mpi_win.Free()      # collective; every agent has passed the negotiation
+    eng.posted_collective(op)
+    return True
+
+
+# ---- put / accumulate / get / update ------------------------------------------------------
+
+def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, accumulate, with_p):
+    """Write (or add) dst_weights[d] * x into my buffer at each d; then scale my tensor
+    (and p) by self_weight. Versions are bumped only after the data has landed."""
+    targets = sorted(dst_weights)
+    locked = yield from _locked(eng, op, win, targets, require_mutex)
+    try:
+        with _Phase(op.name, "COMMUNICATE"):
+            p_self, keep = float(win.p[0]), []
+            for dst in targets:
+                w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
+                if win.nbytes:
+                    src = (x if w == 1.0 else _scaled(x, w)).numpy()
+                    keep.append(src)        # alive until the flush below
+                    if accumulate:
+                        req = win.win.Raccumulate([src, win.mpi_type], dst, target=lay.buf(i), op=MPI.SUM)
+                    else:
+                        req = win.win.Rput([src, win.mpi_type], dst, target=lay.buf(i))
+                    yield from _wait_local(req, f"MPI_Rput to rank {dst}")
+                if with_p:
+                    pv = np.array([p_self * w])
+                    keep.append(pv)
+                    if accumulate:
+                        win.win.Accumulate([pv, MPI.DOUBLE], dst, target=lay.p(1 + i), op=MPI.SUM)
+                    else:
+                        win.win.Put([pv, MPI.DOUBLE], dst, target=lay.p(1 + i))
+            if targets:
+                win.win.Flush_all()
+                for dst in targets:
+                    win.win.Accumulate([_ONE, MPI.INT64_T], dst, target=Layout.version(win.slot_at[dst]),
+                                       op=MPI.SUM)
+                win.win.Flush_all()
+    finally:
+        release(win, locked)
+    if self_weight is not None:
+        t = user_tensor.detach()
+        if t.is_floating_point():
+            t.mul_(self_weight)
+        else:
+            t.copy_(_scaled(t, self_weight))
+        if with_p:
+            win.p[0] *= self_weight
+    return True
+
+
+def get(eng, op, win, src_weights, require_mutex, with_p):
+    """Fetch src_weights[s] * (exposed copy of s) into my buffer for each s."""
+    _publish(win)
+    locked = yield from _locked(eng, op, win, sorted(src_weights), require_mutex)
+    try:
+        with _Phase(op.name, "COMMUNICATE"):
+            for src, w in sorted(src_weights.items()):
+                lay, i = win.layouts[src], win.in_index[src]
+                if win.nbytes:
+                    req = win.win.Rget([win.buffers[i].numpy(), win.mpi_type], src, target=lay.data)
+                    yield from _wait_local(req, f"MPI_Rget from rank {src}")
+                if with_p:
+                    pv = np.zeros(1)
+                    win.win.Get([pv, MPI.DOUBLE], src, target=lay.p(0))
+                    win.win.Flush(src)
+                    win.p[1 + i] = pv[0] * w
+                if w != 1.0 and win.nbytes:
+                    win.buffers[i].copy_(_scaled(win.buffers[i], w))
+            _reset_versions(win, [win.in_index[s] for s in sorted(src_weights)])
+    finally:
+        release(win, locked)
+    return True
+
+
+def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, with_p):
+    """self <- self_weight * self + sum_j w_j * buffer_j (and the same for p)."""
+    locked = yield from _locked(eng, op, win, [win.rank], require_mutex)
+    try:
+        with _Phase(op.name, "WIN_SYNC_COMPUTE_AVERAGE"):
+            used = [(win.in_index[r], w) for r, w in sorted(nbr_weights.items())]
+            # Reset the counters before reading: a put that lands meanwhile is counted
+            # again next time rather than lost.
+            _reset_versions(win, [i for i, _ in used])
+            win.win.Sync()
+            x = win.tensor.detach()
+            out = torch.empty_like(x) if clone else x
+            weighted_sum(out, x, self_weight, [(win.buffers[i], w) for i, w in used])
+            if with_p:
+                new_p = self_weight * win.p[0] + sum(w * win.p[1 + i] for i, w in used)
+                if not clone:
+                    win.p[0] = new_p
+            if reset:
+                for i, _ in used:
+                    win.buffers[i].zero_()
+                    if with_p:
+                        win.p[1 + i] = 0.0
+            if not clone:
+                _publish(win)
+    finally:
+        release(win, locked)
+    return out if clone else win.tensor

@@ -1,0 +1,73 @@
+"""Asynchrony: puts, accumulates (with the target's mutex) and gets complete while
+the target agent computes for 1 s without calling bluefog, and the target sees
+the data at its next win_update. Topology: ExponentialGraph(4), target rank 0,
+writer rank 3 (an in-neighbor of 0), reader rank 1 (an out-neighbor of 0)."""
+import sys
+import time
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+assert size == 4
+BUSY_S = 1.0
+N = 256 * 1024                    # 1 MB of float32: large windows must not stall either
+TARGET, WRITER, READER = 0, 3, 1
+assert TARGET in bf.out_neighbor_ranks() if rank == WRITER else True
+assert TARGET in bf.in_neighbor_ranks() if rank == READER else True
+
+x = torch.full((N,), float(rank + 1), dtype=torch.float32)
+bf.win_create(x, "async", zero_init=True)
+bf.barrier()
+t_start = time.time()
+timings = {}
+if rank == TARGET:
+    a = np.random.default_rng(0).random((160, 160))
+    while time.time() - t_start < BUSY_S:          # pure computation, no MPI, no bluefog
+        a = a @ a
+        a /= np.abs(a).max()
+    t_busy_end = time.time()
+    versions = bf.get_win_version("async")
+    y = bf.win_update("async", self_weight=0.0, neighbor_weights={WRITER: 1.0}, clone=True)
+    np.testing.assert_array_equal(y.numpy(), np.full(N, 3.0 * 7 + 2 * 3.0, np.float32))
+    assert versions == {2: 0, WRITER: 3}, versions
+    timings["busy_end"] = t_busy_end
+elif rank == WRITER:
+    time.sleep(0.1)
+    v = torch.full((N,), 7.0 * rank, dtype=torch.float32)
+    t0 = time.time()
+    bf.win_put(v, "async", dst_weights={TARGET: 1.0})
+    timings["put"] = time.time() - t0
+    t0 = time.time()
+    bf.win_accumulate(torch.full((N,), float(rank)), "async", dst_weights={TARGET: 1.0}, require_mutex=True)
+    timings["accumulate+mutex"] = time.time() - t0
+    t0 = time.time()
+    h = bf.win_accumulate_nonblocking(torch.full((N,), float(rank)), "async", dst_weights={TARGET: 1.0})
+    bf.win_wait(h)
+    timings["accumulate nonblocking"] = time.time() - t0
+    timings["done"] = time.time()
+elif rank == READER:
+    time.sleep(0.1)
+    t0 = time.time()
+    bf.win_get("async", src_weights={TARGET: 2.0}, require_mutex=True)
+    timings["get+mutex"] = time.time() - t0
+    timings["done"] = time.time()
+    y = bf.win_update("async", self_weight=0.0, neighbor_weights={TARGET: 1.0}, clone=True)
+    np.testing.assert_array_equal(y.numpy(), np.full(N, 2.0 * (TARGET + 1), np.float32))
+
+everyone = bf.allgather(torch.tensor([[timings.get("busy_end", 0.0), timings.get("done", 0.0)]],
+                                     dtype=torch.float64))
+busy_end = float(everyone[TARGET, 0])
+for what, dt in timings.items():
+    if what in ("put", "accumulate+mutex", "accumulate nonblocking", "get+mutex"):
+        print(f"rank {rank}: {what} on a busy target took {dt * 1e3:.1f} ms", flush=True)
+        assert dt < 0.25 * BUSY_S, f"{what} took {dt:.3f} s while the target was busy for {BUSY_S} s"
+if rank in (WRITER, READER):
+    assert timings["done"] < busy_end, "the one-sided ops must finish while the target is still busy"
+bf.barrier()
+bf.win_free()
+sys.stdout.write(f"AGENT OK {rank}\n")
+bf.shutdown()

@@ -1,0 +1,94 @@
+"""Bad input to window operations: a clear error on every agent that can know it,
+no hang when only one agent passes bad input to a collective, the engine still
+usable afterwards; set_topology refuses while windows exist; shutdown frees
+windows that are left."""
+import sys
+import warnings
+
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+IN, OUT = bf.in_neighbor_ranks(), bf.out_neighbor_ranks()
+NON_OUT = [r for r in range(size) if r != rank and r not in OUT]
+NON_IN = [r for r in range(size) if r != rank and r not in IN]
+
+
+def raises(exc, text, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        assert text in str(e), f"{exc.__name__} without {text!r}: {e}"
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc.__name__} ({text!r})")
+
+
+x = torch.zeros(3, 2)
+assert bf.win_create(x, "e")
+
+# -- collective: bad input on some agents raises the same error on all of them ------------------
+raises(ValueError, "already exists", bf.win_create, x, "e")
+msg = raises(ValueError, "different windows", bf.win_create, torch.zeros(3 + (rank == 1), 2), "shape")
+assert "rank 1: 'shape' float32[4, 2]" in msg, msg
+raises(ValueError, "different windows", bf.win_create, x, f"name{rank % 2}")
+raises(TypeError, "rank 2: tensor must be a torch.Tensor", bf.win_create,
+       [1.0] if rank == 2 else x, "not_a_tensor")
+raises(TypeError, "dtypes", bf.win_create, torch.zeros(3, dtype=torch.float16), "half")
+raises(ValueError, "already exists", bf.win_create, x if rank else torch.zeros(1), "e" if rank == 3 else "new")
+assert bf.get_current_created_window_names() == ["e"], bf.get_current_created_window_names()
+raises(ValueError, "no window named 'nope'", bf.win_free, "nope" if rank == 0 else "e")
+assert bf.get_current_created_window_names() == ["e"]
+raises(ValueError, "no window named 'nope'", bf.win_free, "nope")
+
+# -- unknown window name in every op -------------------------------------------------------------
+for fn, args in ((bf.win_put, (x, "nope")), (bf.win_accumulate, (x, "nope")), (bf.win_get, ("nope",)),
+                 (bf.win_update, ("nope",)), (bf.win_update_then_collect, ("nope",)),
+                 (bf.win_put_nonblocking, (x, "nope")), (bf.get_win_version, ("nope",)),
+                 (bf.win_associated_p, ("nope",)), (bf.win_get_nonblocking, ("nope",))):
+    raises(ValueError, "no window named 'nope'", fn, *args)
+raises(ValueError, "no window named 'nope'", bf.win_mutex("nope").__enter__)
+
+# -- tensors that do not match the window --------------------------------------------------------
+raises(ValueError, "does not match window 'e'", bf.win_put, torch.zeros(2, 3), "e")
+raises(ValueError, "does not match window 'e'", bf.win_accumulate, torch.zeros(3, 2, dtype=torch.float64), "e")
+raises(TypeError, "must be a torch.Tensor", bf.win_put, [0.0] * 6, "e")
+
+# -- ranks out of range / not neighbors / self -----------------------------------------------------
+raises(ValueError, "out of range", bf.win_put, x, "e", dst_weights={size: 1.0})
+raises(ValueError, "out of range", bf.win_put, x, "e", dst_weights=[-1])
+raises(ValueError, "this agent itself", bf.win_accumulate, x, "e", dst_weights={rank: 1.0})
+if NON_OUT:
+    raises(ValueError, "not out-neighbors", bf.win_put, x, "e", dst_weights={NON_OUT[0]: 0.5})
+if NON_IN:
+    raises(ValueError, "not in-neighbors", bf.win_get, "e", src_weights={NON_IN[0]: 1.0})
+    raises(ValueError, "not in-neighbors", bf.win_update, "e", 0.5, {NON_IN[0]: 0.5})
+raises(ValueError, "out of range", bf.win_get, "e", src_weights={size + 3: 1.0})
+raises(ValueError, "given together", bf.win_update, "e", self_weight=0.5)
+raises(TypeError, "must be a real number", bf.win_put, x, "e", self_weight="half")
+raises(ValueError, "out of range", bf.win_mutex("e", ranks=[size]).__enter__)
+raises(TypeError, "dict", bf.win_put, x, "e", dst_weights=0.5)
+
+# -- the window and the engine still work ---------------------------------------------------------
+bf.win_put(torch.ones(3, 2), "e")
+bf.barrier()
+assert torch.equal(bf.win_update("e", 0.0, {s: 1.0 for s in IN}), torch.full((3, 2), float(len(IN))))
+y = bf.neighbor_allreduce(torch.full((2,), float(rank)), name="still.works")
+assert y.shape == (2,)
+
+# -- set_topology refuses while a window exists -----------------------------------------------------
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert bf.set_topology(topo.RingGraph(size)) is False
+assert any("refused" in str(w.message) for w in caught)
+bf.win_free()
+assert bf.get_current_created_window_names() == []
+assert bf.set_topology(topo.RingGraph(size)) is True
+
+# -- shutdown frees the windows that are left --------------------------------------------------------
+bf.win_create(torch.ones(4), "left.open")
+bf.win_create(torch.ones(4), "left.open.too", zero_init=True)
+bf.shutdown()
+sys.stdout.write(f"AGENT OK {rank}\n")

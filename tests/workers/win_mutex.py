@@ -1,0 +1,93 @@
+"""win_mutex excludes: (1) an agent holding its own mutex keeps every other agent
+waiting for it; (2) agents accumulating into rank 0 under the mutex while rank 0
+collects (and resets) under it produce the exact sum; (3) a critical-section
+marker written under the mutex is never seen by rank 0 reading under it.
+Topology: StarGraph(n), so every leaf is an in-neighbor of rank 0."""
+import sys
+import time
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+assert bf.set_topology(topo.StarGraph(size))
+rng = np.random.default_rng(rank)
+LEAVES = list(range(1, size))
+
+# -- (1) the holder keeps the others out for as long as it holds ---------------------------
+x = torch.zeros(16, dtype=torch.float64)
+bf.win_create(x, "m", zero_init=True)
+HOLD_S = 1.0
+if rank == 0:
+    with bf.win_mutex("m", for_self=True):
+        bf.barrier()
+        time.sleep(HOLD_S)
+else:
+    bf.barrier()
+    t0 = time.time()
+    with bf.win_mutex("m", ranks=[0]):
+        waited = time.time() - t0
+    assert 0.9 * HOLD_S < waited < 2.5 * HOLD_S, f"rank {rank} got the mutex after {waited:.3f} s"
+bf.barrier()
+
+# -- (2) exact sum: accumulates and collect-with-reset never interleave -----------------------
+ROUNDS = 25
+
+
+def contribution(r, k):
+    return torch.arange(16, dtype=torch.float64) * (r + 1) + 1000.0 * k   # integers: exact sums
+
+
+def leaves_done(what):
+    """Rank 0 polls this signal while it works; leaves join it when they are done."""
+    return bf.allreduce_nonblocking(torch.zeros(1), name=f"done.{what}")
+
+
+if rank == 0:
+    done, collects = leaves_done("sum"), 0
+    while not bf.poll(done):
+        bf.win_update_then_collect("m")          # require_mutex=True by default
+        collects += 1
+        time.sleep(0.001)
+    bf.synchronize(done)
+    bf.win_update_then_collect("m")
+    expected = sum(contribution(r, k) for r in LEAVES for k in range(ROUNDS))
+    assert torch.equal(x, expected), f"lost or doubled updates: {(x - expected).tolist()}"
+    assert collects > 3, "rank 0 should have collected while the leaves were accumulating"
+else:
+    for k in range(ROUNDS):
+        time.sleep(rng.uniform(0, 0.002))
+        if k % 3 == 0:     # the op takes the mutex itself
+            bf.win_accumulate(contribution(rank, k), "m", require_mutex=True)
+        else:              # the agent holds it; the op's own require_mutex is then re-entrant
+            with bf.win_mutex("m", ranks=[0]):
+                bf.win_accumulate(contribution(rank, k), "m", require_mutex=k % 3 == 1)
+    bf.synchronize(leaves_done("sum"))
+bf.barrier()
+
+# -- (3) a marker set and cleared inside the critical section is never seen under the mutex -----
+ones, zeros = torch.ones(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
+if rank == 0:
+    done, reads = leaves_done("marker"), 0
+    while not bf.poll(done):
+        y = bf.win_update("m", 0.0, {r: 1.0 for r in LEAVES}, clone=True, require_mutex=True)
+        assert float(y.sum()) == 0.0, f"saw a leaf inside its critical section: {y.tolist()}"
+        reads += 1
+    bf.synchronize(done)
+    assert reads > 3
+else:
+    for k in range(10):
+        with bf.win_mutex("m"):                    # default: the out-neighbors, here [0]
+            bf.win_put(ones, "m")
+            time.sleep(0.002)
+            bf.win_put(zeros, "m")
+        time.sleep(rng.uniform(0, 0.002))
+    bf.synchronize(leaves_done("marker"))
+bf.barrier()
+bf.win_free("m")
+sys.stdout.write(f"AGENT OK {rank}\n")
+bf.shutdown()

@@ -1,0 +1,212 @@
+"""Window operations against a numpy model of every agent's buffers.
+
+Every agent can compute what every other agent puts, so each agent keeps the
+expected content of its own buffers (``model``) and checks win_update results,
+versions and the push-sum weight p against it. Blocking puts return once the
+data is at the target; barriers separate each phase of writes from the reads that
+follow, and those reads from the next writes."""
+import sys
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+SHAPE = (4, 3)
+
+
+def data(r, salt=0, dtype=np.float64):
+    return np.random.default_rng(1000 * salt + r).normal(size=SHAPE).astype(dtype)
+
+
+def ins(G, r):
+    return sorted(s for s in G.predecessors(r) if s != r)
+
+
+def outs(G, r):
+    return sorted(d for d in G.successors(r) if d != r)
+
+
+def close(a, b, tol=1e-12):
+    a = a.numpy() if isinstance(a, torch.Tensor) else a
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+G = bf.load_topology()
+IN, OUT = ins(G, rank), outs(G, rank)
+assert IN == bf.in_neighbor_ranks() and OUT == bf.out_neighbor_ranks()
+
+# -- create: buffers start as copies of the in-neighbors' tensors -------------------------
+x = torch.from_numpy(data(rank))
+assert bf.win_create(x, "w") is True
+assert bf.get_current_created_window_names() == ["w"]
+assert bf.get_win_version("w") == {s: 0 for s in IN}
+model = {s: data(s) for s in IN}
+u = 1.0 / (len(IN) + 1)
+y = bf.win_update("w", clone=True)
+close(y, u * data(rank) + sum(u * model[s] for s in IN))
+close(x, data(rank))                     # clone leaves the window's tensor alone
+assert y.data_ptr() != x.data_ptr()
+
+# -- zero_init: buffers start at zero ----------------------------------------------------------
+z = torch.from_numpy(data(rank, 7))
+bf.win_create(z, "z", zero_init=True)
+close(bf.win_update("z", clone=True), u * data(rank, 7))
+assert bf.get_current_created_window_names() == ["w", "z"]
+bf.win_free("z")
+assert bf.get_current_created_window_names() == ["w"]
+
+# -- win_put, default dst_weights (every out-neighbor, weight 1) -------------------------------
+bf.win_put(torch.from_numpy(data(rank, 1)), "w")
+bf.barrier()
+model.update({s: data(s, 1) for s in IN})
+assert bf.get_win_version("w") == {s: 1 for s in IN}, bf.get_win_version("w")
+nbw = {s: 0.1 * (k + 1) for k, s in enumerate(IN)}
+y = bf.win_update("w", self_weight=0.25, neighbor_weights=nbw, clone=True)
+close(y, 0.25 * data(rank) + sum(w * model[s] for s, w in nbw.items()))
+assert bf.get_win_version("w") == {s: 0 for s in IN}
+bf.barrier()
+
+
+# -- win_put with dict dst_weights to a subset, and self_weight (scales the tensor in place) -----
+def dst_w(src, dst):
+    return 0.5 + 0.01 * src + 0.001 * dst
+
+
+t = torch.from_numpy(data(rank, 2))
+bf.win_put(t, "w", self_weight=0.5, dst_weights={d: dst_w(rank, d) for d in OUT[:1]})
+close(t, 0.5 * data(rank, 2))
+bf.barrier()
+for s in IN:
+    if outs(G, s)[:1] == [rank]:
+        model[s] = dst_w(s, rank) * data(s, 2)
+assert bf.get_win_version("w") == {s: int(outs(G, s)[:1] == [rank]) for s in IN}
+close(bf.win_update("w", self_weight=0.0, neighbor_weights={s: 1.0 for s in IN}, clone=True),
+      sum(model[s] for s in IN))
+bf.barrier()
+
+# -- win_accumulate adds; versions count every write ------------------------------------------
+bf.win_accumulate(torch.from_numpy(data(rank, 3)), "w")
+bf.win_accumulate(torch.from_numpy(data(rank, 4)), "w", dst_weights={d: dst_w(rank, d) for d in OUT})
+bf.barrier()
+for s in IN:
+    model[s] = model[s] + data(s, 3) + dst_w(s, rank) * data(s, 4)
+assert bf.get_win_version("w") == {s: 2 for s in IN}
+
+# -- win_update in place (default weights) returns the window's tensor, reset zeroes -----------
+expected = u * data(rank) + sum(u * model[s] for s in IN)
+y = bf.win_update("w", reset=True)
+assert y is x, "win_update must return the tensor the window was created with"
+close(x, expected)
+for s in IN:
+    model[s] = np.zeros(SHAPE)
+close(bf.win_update("w", self_weight=1.0, neighbor_weights={s: 1.0 for s in IN}, clone=True), expected)
+mine = expected.copy()
+bf.barrier()
+
+# -- reset only the buffers used -------------------------------------------------------------
+bf.win_put(torch.from_numpy(data(rank, 5)), "w")
+bf.barrier()
+model.update({s: data(s, 5) for s in IN})
+first = IN[:1]
+y = bf.win_update("w", self_weight=1.0, neighbor_weights={s: 2.0 for s in first}, reset=True, clone=True)
+close(y, mine + sum(2.0 * model[s] for s in first))
+for s in first:
+    model[s] = np.zeros(SHAPE)
+assert bf.get_win_version("w") == {s: int(s not in first) for s in IN}
+
+# -- win_update_then_collect: self + every buffer, then buffers zeroed --------------------------
+y = bf.win_update_then_collect("w")
+mine = mine + sum(model[s] for s in IN)
+close(y, mine)
+close(x, mine)
+model = {s: np.zeros(SHAPE) for s in IN}
+close(bf.win_update("w", 1.0, {s: 1.0 for s in IN}, clone=True), mine)
+
+# -- win_get with src_weights: fetch the neighbors' current tensors (exposed at their update) ----
+bf.barrier()
+everyone = {}   # every agent's window tensor now: recompute the same chain for each agent
+for r in range(size):
+    Ir = ins(G, r)
+    ur = 1.0 / (len(Ir) + 1)
+    m = {s: data(s, 3) + dst_w(s, r) * data(s, 4) + (dst_w(s, r) * data(s, 2) if outs(G, s)[:1] == [r] else data(s, 1))
+         for s in Ir}
+    v = ur * data(r) + sum(ur * m[s] for s in Ir)
+    v = v + sum(data(s, 5) for s in Ir if s not in Ir[:1])
+    everyone[r] = v
+close(everyone[rank], mine)
+srcw = {s: 0.3 + 0.1 * k for k, s in enumerate(IN)}
+assert bf.win_get("w", src_weights=srcw) is True
+for s, w in srcw.items():
+    model[s] = w * everyone[s]
+assert bf.get_win_version("w") == {s: 0 for s in IN}
+close(bf.win_update("w", 0.5, {s: 1.0 for s in IN}, clone=True),
+      0.5 * mine + sum(model[s] for s in IN))
+bf.win_get("w")                       # default: every in-neighbor, weight 1
+close(bf.win_update("w", 0.0, {s: 1.0 for s in IN}, clone=True), sum(everyone[s] for s in IN))
+bf.barrier()
+
+# -- nonblocking forms ---------------------------------------------------------------------------
+h1 = bf.win_put_nonblocking(torch.from_numpy(data(rank, 6)), "w")
+h2 = bf.win_accumulate_nonblocking(torch.from_numpy(data(rank, 6)), "w", dst_weights=OUT)
+assert bf.win_wait(h1) is True and bf.win_wait(h2) is True
+h3 = bf.win_get_nonblocking("w", src_weights={s: 1.0 for s in IN[:0]})   # nothing to fetch
+while not bf.win_poll(h3):
+    pass
+assert bf.win_wait(h3) is True
+bf.barrier()
+close(bf.win_update("w", 0.0, {s: 1.0 for s in IN}, clone=True), sum(2 * data(s, 6) for s in IN))
+bf.barrier()
+bf.win_free("w")
+assert bf.get_current_created_window_names() == []
+
+# -- push-sum weight p carried with puts / accumulates / updates ----------------------------------
+bf.turn_on_win_ops_with_associated_p()
+px = torch.from_numpy(data(rank, 8))
+bf.win_create(px, "p", zero_init=True)
+assert bf.win_associated_p("p") == 1.0
+bf.win_accumulate(px, "p", self_weight=0.5, dst_weights={d: 0.25 for d in OUT})
+assert bf.win_associated_p("p") == 0.5
+close(px, 0.5 * data(rank, 8))
+bf.barrier()
+nbw = {s: 1.0 + k for k, s in enumerate(IN)}
+y = bf.win_update("p", self_weight=2.0, neighbor_weights=nbw)
+close(y, data(rank, 8) + sum(w * 0.25 * data(s, 8) for s, w in nbw.items()))
+close(bf.win_associated_p("p"), 2.0 * 0.5 + sum(w * 0.25 for w in nbw.values()))
+bf.barrier()   # every p is final before anyone puts it
+bf.win_put(px, "p", dst_weights={d: 0.5 for d in OUT})    # p buffer = 0.5 * p of the sender
+bf.barrier()
+p_of = {r: 1.0 + sum(1.0 + k for k in range(len(ins(G, r)))) * 0.25 for r in range(size)}
+y = bf.win_update_then_collect("p")
+close(bf.win_associated_p("p"), p_of[rank] + sum(0.5 * p_of[s] for s in IN))
+bf.barrier()
+bf.win_free()
+bf.turn_off_win_ops_with_associated_p()
+
+# -- weighted topology: win_update defaults to the graph's weights; float32 and int windows --------
+Gw = topo.RingGraph(size)
+assert bf.set_topology(Gw, is_weighted=True)
+W = topo.mixing_matrix(Gw)
+IN = bf.in_neighbor_ranks()
+f = torch.from_numpy(data(rank, 9, np.float32))
+bf.win_create(f, "f32")
+close(bf.win_update("f32"), sum(W[r, rank] * data(r, 9, np.float32) for r in [rank] + IN), 1e-5)
+assert f.dtype == torch.float32
+n = torch.full(SHAPE, rank + 1, dtype=torch.int64)
+bf.win_create(n, "i64", zero_init=True)
+bf.win_accumulate(n, "i64")
+bf.win_accumulate(n, "i64")
+bf.barrier()
+y = bf.win_update_then_collect("i64")
+total = rank + 1 + sum(2 * (s + 1) for s in IN)
+assert y.dtype == torch.int64 and torch.equal(y, torch.full(SHAPE, total))
+bf.win_put(n, "i64", self_weight=0.5, dst_weights=[])      # integer tensors: scaled and rounded
+assert torch.equal(n, torch.full(SHAPE, round(total * 0.5)))
+bf.barrier()
+bf.win_free()
+assert bf.set_topology(topo.ExponentialGraph(size))
+sys.stdout.write(f"AGENT OK {rank}\n")   # one write: PYTHONUNBUFFERED splits print
+bf.shutdown()
