@@ -20,8 +20,19 @@ from .ops import (
     pair_gossip, pair_gossip_nonblocking,
     InferSourceFromDestinationRanks, InferDestinationFromSourceRanks,
 )
+from .optimizers import (
+    CommunicationType, DistributedAdaptWithCombineOptimizer, DistributedAdaptThenCombineOptimizer,
+    DistributedGradientAllreduceOptimizer, DistributedWinPutOptimizer, DistributedAllreduceOptimizer,
+    DistributedNeighborAllreduceOptimizer, DistributedHierarchicalNeighborAllreduceOptimizer,
+    register_step_function,
+)
 from .parameters import broadcast_parameters, allreduce_parameters, broadcast_optimizer_state
-from .windows import win_free
+from .windows import (
+    win_create, win_free, win_put, win_put_nonblocking, win_accumulate, win_accumulate_nonblocking,
+    win_get, win_get_nonblocking, win_update, win_update_then_collect, win_poll, win_wait, win_mutex,
+    get_win_version, get_current_created_window_names, turn_on_win_ops_with_associated_p,
+    turn_off_win_ops_with_associated_p, win_associated_p,
+)
 
 from .timeline import (
     timeline_start_activity, timeline_end_activity, timeline_context, timeline_start, timeline_stop,

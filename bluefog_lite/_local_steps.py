@@ -1,0 +1,127 @@
+"""Single-parameter update rules for the adapt-then-combine optimizer.
+
+ATC updates each parameter the moment its gradient is ready (in a gradient hook),
+so it needs the optimizer's rule for one parameter at a time. These follow
+torch.optim's defaults-compatible math and keep state under torch's own keys, so
+that state_dict()/load_state_dict() of the wrapped optimizer keep working.
+"""
+import math
+
+import torch
+
+
+def _decayed(p, grad, group):
+    wd = group.get("weight_decay", 0)
+    return grad.add(p, alpha=wd) if wd else grad
+
+
+def sgd_step(p, grad, group, state):
+    grad = _decayed(p, grad, group)
+    momentum = group.get("momentum", 0)
+    if momentum:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = grad.clone()
+        else:
+            buf.mul_(momentum).add_(grad, alpha=1 - group.get("dampening", 0))
+        grad = grad.add(buf, alpha=momentum) if group.get("nesterov", False) else buf
+    p.add_(grad, alpha=-group["lr"])
+
+
+def adam_step(p, grad, group, state):
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p)
+        state["exp_avg_sq"] = torch.zeros_like(p)
+    beta1, beta2 = group["betas"]
+    state["step"] += 1
+    t = float(state["step"])
+    if group.get("amsgrad", False):
+        raise ValueError("the per-parameter Adam step does not implement amsgrad; "
+                         "register your own with bf.register_step_function")
+    wd = group.get("weight_decay", 0)
+    if wd and group.get("decoupled_weight_decay", False):   # AdamW
+        p.mul_(1 - group["lr"] * wd)
+    elif wd:
+        grad = grad.add(p, alpha=wd)
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
+    p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
+
+
+def rmsprop_step(p, grad, group, state):
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["square_avg"] = torch.zeros_like(p)
+        if group.get("momentum", 0) > 0:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        if group.get("centered", False):
+            state["grad_avg"] = torch.zeros_like(p)
+    state["step"] += 1
+    grad = _decayed(p, grad, group)
+    alpha = group["alpha"]
+    sq = state["square_avg"].mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+    if group.get("centered", False):
+        ga = state["grad_avg"].lerp_(grad, 1 - alpha)
+        avg = sq.addcmul(ga, ga, value=-1).sqrt_().add_(group["eps"])
+    else:
+        avg = sq.sqrt().add_(group["eps"])
+    if group.get("momentum", 0) > 0:
+        buf = state["momentum_buffer"].mul_(group["momentum"]).addcdiv_(grad, avg)
+        p.add_(buf, alpha=-group["lr"])
+    else:
+        p.addcdiv_(grad, avg, value=-group["lr"])
+
+
+def adagrad_step(p, grad, group, state):
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = torch.full_like(p, group.get("initial_accumulator_value", 0))
+    state["step"] += 1
+    grad = _decayed(p, grad, group)
+    clr = group["lr"] / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0))
+    state["sum"].addcmul_(grad, grad, value=1)
+    p.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]), value=-clr)
+
+
+def adadelta_step(p, grad, group, state):
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["square_avg"] = torch.zeros_like(p)
+        state["acc_delta"] = torch.zeros_like(p)
+    state["step"] += 1
+    grad = _decayed(p, grad, group)
+    rho, eps = group["rho"], group["eps"]
+    sq = state["square_avg"].mul_(rho).addcmul_(grad, grad, value=1 - rho)
+    delta = state["acc_delta"].add(eps).sqrt_().div_(sq.add(eps).sqrt_()).mul_(grad)
+    state["acc_delta"].mul_(rho).addcmul_(delta, delta, value=1 - rho)
+    p.add_(delta, alpha=-group["lr"])
+
+
+_STEPS = {
+    torch.optim.SGD: sgd_step,
+    torch.optim.Adam: adam_step,
+    torch.optim.RMSprop: rmsprop_step,
+    torch.optim.Adagrad: adagrad_step,
+    torch.optim.Adadelta: adadelta_step,
+}
+
+
+def register_step_function(optimizer_class, fn):
+    """Teach DistributedAdaptThenCombineOptimizer another optimizer:
+    fn(param, grad, param_group, state_dict_of_param) updates param in place."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass")
+    if not callable(fn):
+        raise TypeError("fn must be callable as fn(param, grad, group, state)")
+    _STEPS[optimizer_class] = fn
+
+
+def step_function_for(optimizer):
+    for cls in type(optimizer).__mro__:
+        if cls in _STEPS:
+            return _STEPS[cls]
+    raise TypeError(f"DistributedAdaptThenCombineOptimizer has no per-parameter step for "
+                    f"{type(optimizer).__name__}; supported: {[c.__name__ for c in _STEPS]}. "
+                    "Add one with bf.register_step_function(cls, fn)")

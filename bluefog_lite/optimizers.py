@@ -1,0 +1,366 @@
+"""Optimizer wrappers: hooks launch nonblocking communication, step() completes it.
+
+- AdaptWithCombine (AWC):  x <- W x - lr * g(x); parameters are sent right after
+  each module's forward, so communication overlaps the backward pass.
+- AdaptThenCombine (ATC):  x <- W (x - lr * g(x)); each parameter is updated and
+  sent the moment its gradient is ready, overlapping the rest of backward.
+- GradientAllreduce: Horovod-style averaging of gradients, then the local step.
+- WinPut: parameters are put into neighbors' windows after forward; step()
+  combines what has arrived (asynchronous, one-sided).
+
+Wrappers are torch.optim.Optimizer objects sharing param_groups and state with
+the wrapped optimizer, so schedulers, checkpoints and loops keep working.
+"""
+import contextlib
+import enum
+import warnings
+
+import torch
+
+from . import ops, windows
+from ._local_steps import register_step_function, step_function_for  # noqa: F401 (re-export)
+from ._runtime import state
+from .timeline import _control as _timeline
+
+
+class CommunicationType(enum.Enum):
+    neighbor_allreduce = "neighbor.allreduce"
+    hierarchical_neighbor_allreduce = "hierarchical.neighbor.allreduce"
+    allreduce = "allreduce"
+    empty = "empty"
+
+
+def _named_params(model, optimizer):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in named if id(p) not in in_opt]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} of the model are not in the optimizer")
+    return named
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
+
+    def __init__(self, optimizer, model, num_steps_per_communication=1):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(num_steps_per_communication, bool) or not isinstance(num_steps_per_communication, int) \
+                or num_steps_per_communication < 1:
+            raise ValueError(f"num_steps_per_communication must be a positive integer, "
+                             f"got {num_steps_per_communication!r}")
+        state()   # before init() this raises the usual clear error
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.model = model
+        self.num_steps_per_communication = num_steps_per_communication
+        self._named = _named_params(model, optimizer)
+        self._name_of = {id(p): n for n, p in self._named}
+        self._handles = {}          # param name -> (param, handle)
+        self._steps = 0
+        self._skip_sync = False
+        self._hooks = []
+        # per-step knobs for dynamic topologies (read when communication launches)
+        self.self_weight = None
+        self.src_weights = None
+        self.dst_weights = None
+        self.enable_topo_check = True
+        self.src_machine_weights = None
+        self.dst_machine_weights = None
+        if _timeline.configured():
+            from .hooks import timeline_install_hooks
+            self._hooks.append(timeline_install_hooks(model))
+
+    def __getstate__(self):
+        raise TypeError("distributed optimizers cannot be pickled; save state_dict() instead")
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    # torch.optim.Optimizer contract, delegated to the wrapped optimizer
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group):
+        if "optimizer" not in self.__dict__:       # called by Optimizer.__init__ on shared groups
+            return super().add_param_group(param_group)
+        raise ValueError("add parameter groups to the wrapped optimizer before wrapping it: "
+                         "the wrapper's hooks are installed on the model's parameters at creation")
+
+    def _communicating(self):
+        return self._steps % self.num_steps_per_communication == 0
+
+    def _check_no_pending(self, name):
+        if name in self._handles:
+            raise RuntimeError(f"parameter {name!r} already has communication in flight; call step() "
+                               "(or synchronize()) once per forward/backward pass")
+
+    def synchronize(self):
+        """Wait for all communication launched this step and install the results."""
+        for name, (p, handle) in list(self._handles.items()):
+            self._apply(p, ops.synchronize(handle))
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, step() does not synchronize (the caller did, with synchronize())."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def _apply(self, p, result):
+        with torch.no_grad():
+            p.copy_(result)
+
+    def _finish_step(self):
+        self._steps += 1
+        _timeline.step()
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class _ParameterCommunicator(_DistributedOptimizer):
+    """Common part of AWC and ATC: communicate a parameter with the chosen op."""
+
+    def __init__(self, optimizer, model, communication_type, num_steps_per_communication):
+        if not isinstance(communication_type, CommunicationType):
+            raise TypeError(f"communication_type must be a bf.CommunicationType, got {communication_type!r}")
+        super().__init__(optimizer, model, num_steps_per_communication)
+        self.communication_type = communication_type
+
+    def _launch(self, name, p):
+        self._check_no_pending(name)
+        ct = self.communication_type
+        x = p.detach()
+        if ct is CommunicationType.empty:
+            return
+        if ct is CommunicationType.neighbor_allreduce:
+            h = ops.neighbor_allreduce_nonblocking(
+                x, self_weight=self.self_weight, src_weights=self.src_weights,
+                dst_weights=self.dst_weights, enable_topo_check=self.enable_topo_check, name=name)
+        elif ct is CommunicationType.hierarchical_neighbor_allreduce:
+            h = ops.hierarchical_neighbor_allreduce_nonblocking(
+                x, self_weight=self.self_weight, src_machine_weights=self.src_machine_weights,
+                dst_machine_weights=self.dst_machine_weights, enable_topo_check=self.enable_topo_check,
+                name=name)
+        else:
+            h = ops.allreduce_nonblocking(x, average=True, name=name)
+        self._handles[name] = (p, h)
+
+    def _launch_rest(self):
+        """Communicate parameters whose hook did not fire (unused in this pass), in a fixed order."""
+        for name, p in self._named:
+            if name not in self._handles and name not in self._launched:
+                self._launch(name, p)
+        self._launched = set()
+
+
+class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
+    """x <- W x - lr * grad f(x): each module's parameters start their
+    communication right after its forward, overlapping the backward pass."""
+
+    def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
+                 num_steps_per_communication=1):
+        super().__init__(optimizer, model, communication_type, num_steps_per_communication)
+        self._launched = set()
+        for module in model.modules():
+            own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
+            if own:
+                self._hooks.append(module.register_forward_hook(self._forward_hook(own)))
+
+    def _forward_hook(self, own):
+        def hook(module, inputs, output):
+            if not module.training or not torch.is_grad_enabled() or not self._communicating():
+                return
+            for name, p in own:
+                if name not in self._launched:   # once per step, even with several forwards
+                    self._launched.add(name)
+                    self._launch(name, p)
+        return hook
+
+    def step(self, closure=None):
+        if self._communicating():
+            self._launch_rest()
+            if not self._skip_sync:
+                self.synchronize()
+        loss = self.optimizer.step(closure)
+        self._finish_step()
+        return loss
+
+
+class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
+    """x <- W (x - lr * grad f(x)): each parameter is updated in its gradient hook
+    and its communication starts at once, overlapping the rest of backward."""
+
+    def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
+                 num_steps_per_communication=1):
+        super().__init__(optimizer, model, communication_type, num_steps_per_communication)
+        self._local_step = step_function_for(optimizer)
+        self._launched = set()
+        self._updated = set()
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for name, p in self._named:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, group_of[id(p)])))
+
+    def _grad_hook(self, name, group):
+        def hook(p):
+            if name in self._updated:
+                return   # gradient accumulated twice in one step: update once, in step()
+            with torch.no_grad():
+                self._local_step(p, p.grad, group, self.optimizer.state[p])
+            self._updated.add(name)
+            if self._communicating():
+                self._launched.add(name)
+                self._launch(name, p)
+        return hook
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if self._communicating():
+            self._launch_rest()
+            if not self._skip_sync:
+                self.synchronize()
+        self._updated.clear()
+        self._finish_step()
+        return loss
+
+
+class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
+    """Horovod-style: gradients are averaged over all agents (allreduce, launched
+    from gradient hooks), then the wrapped optimizer steps. With
+    num_steps_per_communication=k, gradients of k backward passes accumulate
+    and step() is called once per k passes."""
+
+    def __init__(self, optimizer, model, num_steps_per_communication=1):
+        super().__init__(optimizer, model, num_steps_per_communication)
+        self._passes = {}
+        for name, p in self._named:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+
+    def _grad_hook(self, name):
+        def hook(p):
+            n = self._passes.get(name, 0) + 1
+            self._passes[name] = n
+            if n == self.num_steps_per_communication:
+                self._check_no_pending(name)
+                self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
+        return hook
+
+    def _apply(self, p, result):
+        p.grad.copy_(result)
+
+    def step(self, closure=None):
+        for name, p in self._named:    # parameters without a gradient this step: nothing to average
+            if p.grad is not None and name not in self._handles:
+                self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
+        if not self._skip_sync:
+            self.synchronize()
+        self._passes.clear()
+        loss = self.optimizer.step(closure)
+        self._finish_step()
+        return loss
+
+
+class DistributedWinPutOptimizer(_DistributedOptimizer):
+    """Asynchronous, one-sided: each parameter lives in a window; after each module's
+    forward its parameters are put into the out-neighbors' windows (nonblocking),
+    and step() combines whatever has arrived (win_update), then takes the local
+    gradient step. Per step, ``dst_weights`` steers the puts and
+    ``self_weight``/``src_weights`` the combination. Call free_windows() (or
+    bf.win_free()) when done."""
+
+    def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
+        super().__init__(optimizer, model, num_steps_per_communication)
+        if window_prefix is not None and not isinstance(window_prefix, str):
+            raise TypeError(f"window_prefix must be a string, got {window_prefix!r}")
+        self._prefix = "" if window_prefix is None else window_prefix + "."
+        self._launched = set()
+        for name, p in self._named:
+            windows.win_create(p.detach(), self._prefix + name)
+        for module in model.modules():
+            own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
+            if own:
+                self._hooks.append(module.register_forward_hook(self._forward_hook(own)))
+
+    def _forward_hook(self, own):
+        def hook(module, inputs, output):
+            if not module.training or not torch.is_grad_enabled() or not self._communicating():
+                return
+            for name, p in own:
+                if name not in self._launched:
+                    self._launched.add(name)
+                    self._put(name, p)
+        return hook
+
+    def _put(self, name, p):
+        self._check_no_pending(name)
+        h = windows.win_put_nonblocking(p.detach(), self._prefix + name, dst_weights=self.dst_weights)
+        self._handles[name] = (p, h)
+
+    def synchronize(self):
+        for name, p in self._named:
+            if name not in self._handles and name not in self._launched:
+                self._put(name, p)
+        for name, (p, h) in list(self._handles.items()):
+            windows.win_wait(h)
+        self._handles.clear()
+        self._launched = set()
+        for name, _ in self._named:
+            if self.self_weight is None:
+                windows.win_update(self._prefix + name)
+            else:
+                windows.win_update(self._prefix + name, self_weight=self.self_weight,
+                                   neighbor_weights=self.src_weights)
+
+    def step(self, closure=None):
+        if self._communicating() and not self._skip_sync:
+            self.synchronize()
+        loss = self.optimizer.step(closure)
+        self._finish_step()
+        return loss
+
+    def free_windows(self):
+        for name, _ in self._named:
+            if self._prefix + name in windows.get_current_created_window_names():
+                windows.win_free(self._prefix + name)
+
+
+def DistributedAllreduceOptimizer(optimizer, model, num_steps_per_communication=1):
+    """Deprecated alias of DistributedAdaptWithCombineOptimizer with allreduce."""
+    warnings.warn("DistributedAllreduceOptimizer is deprecated; use DistributedAdaptWithCombineOptimizer "
+                  "with communication_type=CommunicationType.allreduce", DeprecationWarning, stacklevel=2)
+    return DistributedAdaptWithCombineOptimizer(optimizer, model, CommunicationType.allreduce,
+                                                num_steps_per_communication)
+
+
+def DistributedNeighborAllreduceOptimizer(optimizer, model, num_steps_per_communication=1):
+    """Deprecated alias of DistributedAdaptWithCombineOptimizer with neighbor_allreduce."""
+    warnings.warn("DistributedNeighborAllreduceOptimizer is deprecated; use "
+                  "DistributedAdaptWithCombineOptimizer", DeprecationWarning, stacklevel=2)
+    return DistributedAdaptWithCombineOptimizer(optimizer, model, CommunicationType.neighbor_allreduce,
+                                                num_steps_per_communication)
+
+
+def DistributedHierarchicalNeighborAllreduceOptimizer(optimizer, model, num_steps_per_communication=1):
+    """Deprecated alias of DistributedAdaptWithCombineOptimizer with hierarchical_neighbor_allreduce."""
+    warnings.warn("DistributedHierarchicalNeighborAllreduceOptimizer is deprecated; use "
+                  "DistributedAdaptWithCombineOptimizer", DeprecationWarning, stacklevel=2)
+    return DistributedAdaptWithCombineOptimizer(
+        optimizer, model, CommunicationType.hierarchical_neighbor_allreduce, num_steps_per_communication)
