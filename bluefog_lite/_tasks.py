@@ -39,7 +39,7 @@ def _check_same(op, x, entries, what="shape and dtype"):
                              f"has {mine}; neighbors must pass tensors of the same {what}")
 
 
-def _weighted_sum(out, x, self_weight, terms):
+def weighted_sum(out, x, self_weight, terms):
     """out = self_weight * x + sum(w * v); integers are summed in float64 and rounded."""
     if out.is_floating_point() or out.is_complex():
         torch.mul(x, self_weight, out=out)
@@ -213,10 +213,10 @@ def _topology_check(eng, op, sends, recvs):
 
 def _send_all(eng, op, key, x, send_plan):
     for dst, scale in send_plan:
-        eng.send_tensor(op, dst, key, x if scale is None else _scaled(x, scale))
+        eng.send_tensor(op, dst, key, x if scale is None else scaled(x, scale))
 
 
-def _scaled(x, scale):
+def scaled(x, scale):
     if x.is_floating_point() or x.is_complex():
         return x * scale
     return torch.round(x.to(torch.float64) * scale).to(x.dtype)
@@ -235,7 +235,7 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
     try:
         _check_same(op, x, entries)
         with _Phase(name, "COMPUTE_AVERAGE"):
-            return _weighted_sum(out, x, self_weight,
+            return weighted_sum(out, x, self_weight,
                                  [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
     finally:
         _release(entries)
@@ -273,7 +273,7 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
     try:
         _check_same(op, x, entries)
         with _Phase(name, "COMPUTE_AVERAGE"):
-            return _weighted_sum(out, x, self_weight, [(entries[0].value, pair_weight)])
+            return weighted_sum(out, x, self_weight, [(entries[0].value, pair_weight)])
     finally:
         _release(entries)
 
@@ -330,7 +330,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         _check_same(op, machine_sum, remote)
         with _Phase(op.name, "COMPUTE_AVERAGE"):
             acc = torch.empty_like(machine_sum)
-            _weighted_sum(acc, machine_sum, self_weight,
+            weighted_sum(acc, machine_sum, self_weight,
                           [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
             acc.div_(len(local_ranks))
             return _cast_back(acc, x)

@@ -27,7 +27,7 @@ import torch
 
 from ._engine import OpTimeout, Requests, Sleep, Turn
 from ._mpi import MPI
-from ._tasks import _Phase, exchange_headers
+from ._tasks import _Phase, exchange_headers, scaled, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
@@ -150,27 +150,6 @@ def _publish(win):
     if win.nbytes:
         win.exposed.copy_(win.tensor.detach())
         win.win.Sync()      # local stores visible to RMA readers (separate memory model)
-
-
-def _scaled(x, w):
-    if x.is_floating_point():
-        return x * w
-    return torch.round(x.to(torch.float64) * w).to(x.dtype)
-
-
-def weighted_sum(out, x, self_weight, terms):
-    """out = self_weight * x + sum(w * v); integers are summed in float64 and rounded."""
-    if out.is_floating_point():
-        torch.mul(x, self_weight, out=out)
-        for v, w in terms:
-            if w != 0:
-                out.add_(v, alpha=w)
-        return out
-    acc = x.to(torch.float64).mul_(self_weight)
-    for v, w in terms:
-        if w != 0:
-            acc.add_(v.to(torch.float64), alpha=w)
-    return out.copy_(acc.round_())
 
 
 # ---- the distributed mutex ----------------------------------------------------------
@@ -343,7 +322,7 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
             for dst in targets:
                 w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
                 if win.nbytes:
-                    src = (x if w == 1.0 else _scaled(x, w)).numpy()
+                    src = (x if w == 1.0 else scaled(x, w)).numpy()
                     keep.append(src)        # alive until the flush below
                     if accumulate:
                         req = win.win.Raccumulate([src, win.mpi_type], dst, target=lay.buf(i), op=MPI.SUM)
@@ -370,7 +349,7 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
         if t.is_floating_point():
             t.mul_(self_weight)
         else:
-            t.copy_(_scaled(t, self_weight))
+            t.copy_(scaled(t, self_weight))
         if with_p:
             win.p[0] *= self_weight
     return True
@@ -393,7 +372,7 @@ def get(eng, op, win, src_weights, require_mutex, with_p):
                     win.win.Flush(src)
                     win.p[1 + i] = pv[0] * w
                 if w != 1.0 and win.nbytes:
-                    win.buffers[i].copy_(_scaled(win.buffers[i], w))
+                    win.buffers[i].copy_(scaled(win.buffers[i], w))
             _reset_versions(win, [win.in_index[s] for s in sorted(src_weights)])
     finally:
         release(win, locked)

@@ -130,6 +130,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps += 1
         _timeline.step()
 
+    def _launch_after_forward(self, model, launch):
+        """launch(name, p) for each module's own parameters right after its forward,
+        once per communicating step (even when forward runs several times)."""
+        self._launched = set()
+
+        def make_hook(own):
+            def hook(module, inputs, output):
+                if not module.training or not torch.is_grad_enabled() or not self._communicating():
+                    return
+                for name, p in own:
+                    if name not in self._launched:
+                        self._launched.add(name)
+                        launch(name, p)
+            return hook
+        for module in model.modules():
+            own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
+            if own:
+                self._hooks.append(module.register_forward_hook(make_hook(own)))
+
     def remove_hooks(self):
         for h in self._hooks:
             h.remove()
@@ -179,21 +198,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
                  num_steps_per_communication=1):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication)
-        self._launched = set()
-        for module in model.modules():
-            own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
-            if own:
-                self._hooks.append(module.register_forward_hook(self._forward_hook(own)))
-
-    def _forward_hook(self, own):
-        def hook(module, inputs, output):
-            if not module.training or not torch.is_grad_enabled() or not self._communicating():
-                return
-            for name, p in own:
-                if name not in self._launched:   # once per step, even with several forwards
-                    self._launched.add(name)
-                    self._launch(name, p)
-        return hook
+        self._launch_after_forward(model, self._launch)
 
     def step(self, closure=None):
         if self._communicating():
@@ -291,23 +296,9 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         if window_prefix is not None and not isinstance(window_prefix, str):
             raise TypeError(f"window_prefix must be a string, got {window_prefix!r}")
         self._prefix = "" if window_prefix is None else window_prefix + "."
-        self._launched = set()
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)
-        for module in model.modules():
-            own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
-            if own:
-                self._hooks.append(module.register_forward_hook(self._forward_hook(own)))
-
-    def _forward_hook(self, own):
-        def hook(module, inputs, output):
-            if not module.training or not torch.is_grad_enabled() or not self._communicating():
-                return
-            for name, p in own:
-                if name not in self._launched:
-                    self._launched.add(name)
-                    self._put(name, p)
-        return hook
+        self._launch_after_forward(model, self._put)
 
     def _put(self, name, p):
         self._check_no_pending(name)
