@@ -95,6 +95,7 @@ class StreamEndpoint:
         self._next_tag = collections.defaultdict(int)
         self.pending_recvs = []   # (request, entry)
         self.sent_packets = []    # (request, packet) kept alive until sent
+        self.arrived = []         # (src, key) of entries that became ready
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
 
     # ---- sending -------------------------------------------------------
@@ -179,9 +180,11 @@ class StreamEndpoint:
             entry = Entry(src, key, meta, kind == _KIND_TENSOR)
             if kind == _KIND_OBJECT:
                 entry.value, entry.ready = meta, True
+                self.arrived.append((src, key))
             elif loc[0] == "i":
                 raw = packet[start + loc[1]:start + loc[1] + loc[2]]
                 entry.value, entry.ready = _as_tensor(raw, meta), True
+                self.arrived.append((src, key))
             else:
                 buf, entry._release = self.pool.take(loc[2])
                 entry.value = _as_tensor(buf, meta)
@@ -197,6 +200,7 @@ class StreamEndpoint:
         for req, entry in self.pending_recvs:
             if req.Test():
                 entry.ready = done = True
+                self.arrived.append((entry.src, entry.key))
             else:
                 still.append((req, entry))
         self.pending_recvs = still

@@ -32,11 +32,11 @@ def _describe(t):
 
 
 def _check_same(op, x, entries, what="shape and dtype"):
-    mine = _describe(x)
+    mine = _meta(x)
     for e in entries:
-        if not e.is_tensor or e.describe() != mine:
+        if not e.is_tensor or e.meta != mine:
             raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
-                             f"has {mine}; neighbors must pass tensors of the same {what}")
+                             f"has {_describe(x)}; neighbors must pass tensors of the same {what}")
 
 
 def weighted_sum(out, x, self_weight, terms):
