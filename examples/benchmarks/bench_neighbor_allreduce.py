@@ -9,7 +9,12 @@ Run:  mpiexec -n 4 python examples/benchmarks/bench_neighbor_allreduce.py [--siz
 Prints one row per size: median seconds per op (max over agents) and the ratio.
 """
 import argparse
+import os
 import time
+
+# one BLAS thread per agent: agents share cores, and idle OpenBLAS threads spin
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import torch
