@@ -205,7 +205,6 @@ class Engine:
     def _run(self):
         torch.set_grad_enabled(False)   # thread-local: nothing done here is differentiated
         status = MPI.Status()
-        idle = 0
         idle_since = last_inspect = time.monotonic()
         while True:
             moved = self._admit()
@@ -217,12 +216,10 @@ class Engine:
                 self._inspect_stalls(now)
                 last_inspect = now
             if moved:
-                idle = 0
                 idle_since = now
                 continue
             if self._stopping and not self._active and not self._queue and not self._sends_pending():
                 return
-            idle += 1
             self._sleep(now - idle_since)
 
     def _sleep(self, waited):

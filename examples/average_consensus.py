@@ -8,6 +8,7 @@ Static mode mixes over the Exp-2 graph; --dynamic uses the one-peer Exp-2 schedu
 in log2(n) steps when n is a power of two. Prints the distance to the true average.
 """
 import argparse
+import os
 
 import torch
 
@@ -23,6 +24,7 @@ def main():
     args = ap.parse_args()
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
+    bf_rank, bf_size = bf.rank(), bf.size()
     torch.manual_seed(bf.rank())
     x = torch.randn(args.dim, dtype=torch.float64)
     mean = bf.allreduce(x, name="true_mean")          # the reference every agent should reach
@@ -40,6 +42,10 @@ def main():
     if bf.rank() == 0:
         print(f"final distance to the average: {dist:.3e}")
     bf.shutdown()
+    prefix = os.environ.get("BLUEFOG_TIMELINE")
+    if prefix and bf_rank == 0:
+        print(f"timeline: one file per agent, {prefix}0.json .. {prefix}{bf_size - 1}.json; open them in "
+              "https://ui.perfetto.dev or chrome://tracing (see docs/timeline.md)")
 
 
 if __name__ == "__main__":
