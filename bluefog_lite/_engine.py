@@ -272,14 +272,20 @@ class Engine:
         moved |= s.flush_all()
         return moved
 
+    def _take_all(self, keys):
+        """The entries for every (src, key), or None while any is missing."""
+        s = self.stream
+        if not all(s.has(src, key) for src, key in keys):
+            return None
+        return [s.take(src, key) for src, key in keys]
+
     def _resume_if_received(self, op):
-        keys = op.wait.keys
-        has = self.stream.has
-        if not all(has(src, key) for src, key in keys):
+        value = self._take_all(op.wait.keys)
+        if value is None:
             return False
-        for k in keys:
+        for k in op.wait.keys:
             self._waiters.pop(k, None)
-        self._step(op, [self.stream.take(src, key) for src, key in keys])
+        self._step(op, value)
         return True
 
     def _advance(self, op):
@@ -325,11 +331,11 @@ class Engine:
             if not isinstance(w, Recv):
                 self._polled.add(op)
                 return
-            if not all(self.stream.has(src, key) for src, key in w.keys):
+            value = self._take_all(w.keys)
+            if value is None:
                 for k in w.keys:
                     self._waiters[k] = op
                 return
-            value = [self.stream.take(src, key) for src, key in w.keys]
 
     def _finish(self, op):
         op.finished_task = True

@@ -111,20 +111,26 @@ def _meta(t):
 
 # ---- collectives -----------------------------------------------------------
 
+def _collective_call(eng, op, nonempty, post, what):
+    """In the global collective order: make the MPI call (none for empty tensors),
+    let later collectives go, and wait for it."""
+    yield Turn(op.coll_seq)
+    with _Phase(op.name, "COMMUNICATE"):
+        req = post() if nonempty else None
+        eng.posted_collective(op)
+        if req is not None:
+            yield Requests([req], what)
+
+
 def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x))
     _same_meta_or_raise(op, views, _meta_text)
     with _Phase(op.name, "ALLOCATE_OUTPUT"):
         out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
-    yield Turn(op.coll_seq)
-    with _Phase(op.name, "COMMUNICATE"):
-        if out.numel():
-            src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
-            req = eng.comm.Iallreduce(src, out.numpy(), MPI.SUM)
-            eng.posted_collective(op)
-            yield Requests([req], "MPI_Iallreduce")
-        eng.posted_collective(op)
+    src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
+    yield from _collective_call(eng, op, out.numel() > 0,
+                                lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
     if average:
         with _Phase(op.name, "COMPUTE_AVERAGE"):
             if out.is_floating_point():
@@ -147,13 +153,9 @@ def broadcast(eng, op, x, root, target):
             out = torch.empty_like(x)
         if eng.rank == root and out.data_ptr() != x.data_ptr():
             out.copy_(x)
-    yield Turn(op.coll_seq)
-    with _Phase(op.name, "COMMUNICATE"):
-        if out.numel():
-            req = eng.comm.Ibcast([tensor_bytes(out), MPI.BYTE], root=root)
-            eng.posted_collective(op)
-            yield Requests([req], "MPI_Ibcast")
-        eng.posted_collective(op)
+    yield from _collective_call(eng, op, out.numel() > 0,
+                                lambda: eng.comm.Ibcast([tensor_bytes(out), MPI.BYTE], root=root),
+                                "MPI_Ibcast")
     if target is not None and out is not target:
         target.copy_(out)
         return target
@@ -170,17 +172,12 @@ def allgather(eng, op, x):
     with _Phase(op.name, "ALLOCATE_OUTPUT"):
         firsts = [shape[0] for _, shape in views]
         out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)
-        row = x[0].numel() * x.element_size() if x.shape[0] else _row_bytes(x)
+        row = _row_bytes(x)
         counts = [f * row for f in firsts]
         displs = [sum(counts[:r]) for r in range(len(counts))]
-    yield Turn(op.coll_seq)
-    with _Phase(op.name, "COMMUNICATE"):
-        if out.numel():
-            req = eng.comm.Iallgatherv([tensor_bytes(x), counts[eng.rank], MPI.BYTE],
-                                       [tensor_bytes(out), (counts, displs), MPI.BYTE])
-            eng.posted_collective(op)
-            yield Requests([req], "MPI_Iallgatherv")
-        eng.posted_collective(op)
+    yield from _collective_call(eng, op, out.numel() > 0, lambda: eng.comm.Iallgatherv(
+        [tensor_bytes(x), counts[eng.rank], MPI.BYTE], [tensor_bytes(out), (counts, displs), MPI.BYTE]),
+        "MPI_Iallgatherv")
     return out
 
 
