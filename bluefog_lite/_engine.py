@@ -2,8 +2,9 @@
 
 Callers enqueue an operation (a generator, see _tasks.py) and get an integer handle.
 The loop admits new operations, pushes their sends into the per-neighbor stream,
-receives packets, resumes operations whose inputs have arrived, and sleeps with a
-short backoff when nothing moves: ranks share cores, so it never busy-spins.
+receives packets, resumes operations whose inputs have arrived, and sleeps when
+nothing moves: ranks share cores, so it never busy-spins. A sleeping loop is woken
+by its callers and by peers on the same host through its doorbell (_doorbell.py).
 """
 import collections
 import itertools
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from ._doorbell import Doorbell
 from ._mpi import MPI
 from ._pool import BufferPool
 from ._stream import StreamEndpoint
@@ -121,6 +123,8 @@ class Engine:
         self._coll_next = 0            # lowest collective not yet posted
         self._coll_released = set()
         self._stopping = False
+        self._sleeping = False         # the loop is (about to be) asleep: ring to wake it
+        self.doorbell = Doorbell(comm)
         self._thread = threading.Thread(target=self._run, name="bluefog-communication", daemon=True)
         self._thread.start()
 
@@ -140,6 +144,8 @@ class Engine:
             tl.begin(name, "ENQUEUE_" + kind)
             self._queue.append(op)
             self._cv.notify()
+        if self._sleeping:
+            self.doorbell.wake_self()
         return op.handle
 
     def _lookup(self, handle):
@@ -172,11 +178,13 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self.doorbell.wake_self()
         self._thread.join(max(self.stall_warning_s, 1.0))
         if self._thread.is_alive():
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
                              f"still in flight: {sorted(self._names)}\n")
             return
+        self.doorbell.close()
         self.comm.Free()
 
     # ---- helpers used by tasks (comm thread) ------------------------------
@@ -223,20 +231,35 @@ class Engine:
             self._sleep(now - idle_since)
 
     def _sleep(self, waited):
-        """Wait for the next poll. While operations wait for peers: yield the CPU for
-        a short window (replies from a peer's Python code take ~0.1-0.3 ms), then sleep
-        a quarter of the time waited so far (detection adds <= 25%), at most 1 ms.
-        Idle: a slow MPI poke, woken at once by a new operation."""
-        if self._active or self._sends_pending():
+        """Wait for the next poll.
+
+        When nothing can move without a peer sending a packet (the only waits are
+        receives, and every peer can ring this agent's doorbell) or nothing is
+        active: sleep until rung, with a slow MPI poke (progress_poke_s) as a
+        safety net. Otherwise (data transfers or MPI collectives in flight, which
+        need MPI progress calls, or peers on other hosts): yield the CPU for a
+        short window (replies take ~0.1-0.3 ms), then sleep a quarter of the time
+        waited so far (detection adds <= 25%), at most wait_sleep_max_s."""
+        bell = self.doorbell
+        if (self._active and (self._polled or not bell.covers_all)) or self._sends_pending():
             if waited < self.yield_window_s:
                 os.sched_yield()
                 return
             timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4))
         else:
             timeout = self.progress_poke_s
-        with self._cv:
-            if not self._queue and not self._stopping:
-                self._cv.wait(timeout)
+        self._sleeping = True     # set before looking at the queue: a submit after the look rings
+        try:
+            if self._queue or self._stopping:
+                return
+            if bell.sock is not None:
+                bell.wait(timeout)
+            else:
+                with self._cv:
+                    if not self._queue and not self._stopping:
+                        self._cv.wait(timeout)
+        finally:
+            self._sleeping = False
 
     def _sends_pending(self):
         return bool(self.stream.sent_packets or self.stream.pending_recvs)
@@ -250,8 +273,19 @@ class Engine:
             tl.begin(op.name, "MPI_" + op.kind)
             self._active.add(op)
             self._step(op, None)
-        self.stream.flush_all()
+        self._flush()
         return True
+
+    def _flush(self):
+        """Send what the tasks queued and ring the peers that were sent something."""
+        s = self.stream
+        sent = s.flush_all()
+        if s.to_ring:
+            ring = self.doorbell.ring
+            for r in s.to_ring:
+                ring(r)
+            s.to_ring.clear()
+        return sent
 
     def _progress(self, status):
         s = self.stream
@@ -269,7 +303,7 @@ class Engine:
         for op in list(self._polled):
             if self._advance(op):
                 moved = True
-        moved |= s.flush_all()
+        moved |= self._flush()
         return moved
 
     def _take_all(self, keys):

@@ -96,6 +96,7 @@ class StreamEndpoint:
         self.pending_recvs = []   # (request, entry)
         self.sent_packets = []    # (request, packet) kept alive until sent
         self.arrived = []         # (src, key) of entries that became ready
+        self.to_ring = set()      # peers sent something since the last ring (see _doorbell.py)
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
 
     # ---- sending -------------------------------------------------------
@@ -122,6 +123,7 @@ class StreamEndpoint:
         self.flush_one(dst)
         self.stats["data_messages"] += 1
         data_requests.append((self.comm.Isend([tensor_bytes(t), nbytes, MPI.BYTE], dst, tag), t))
+        self.to_ring.add(dst)
 
     def queue_object(self, dst, key, obj):
         box = self.outboxes.get(dst)
@@ -150,6 +152,7 @@ class StreamEndpoint:
         self.stats["packets"] += 1
         self.stats["entries"] += len(box.entries)
         self.sent_packets.append((req, packet))
+        self.to_ring.add(dst)
         return req
 
     def flush_all(self):
@@ -190,6 +193,7 @@ class StreamEndpoint:
                 entry.value = _as_tensor(buf, meta)
                 req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
                 self.pending_recvs.append((req, entry))
+                self.to_ring.add(src)     # the sender's side of the transfer needs its progress too
             self.inbox[(src, key)].append(entry)
 
     def test_recvs(self):
