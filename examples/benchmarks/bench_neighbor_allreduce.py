@@ -1,104 +1,116 @@
-"""neighbor_allreduce vs raw mpi4py, measured in the same run.
+"""neighbor_allreduce vs raw mpi4py and vs torch.distributed (gloo), in the same run.
 
-Raw baseline: Neighbor_allgather on a dist-graph communicator built from the same
-topology, then a numpy weighted sum (one BLAS gemv over a (k+1, n) buffer, self
-row copied in). Ours: bf.neighbor_allreduce with the same default weights.
-Also: 64 concurrent 16 KB ops (fused) vs one raw exchange of 1 MB.
+    mpiexec -n 4 python examples/benchmarks/bench_neighbor_allreduce.py [--sizes 4K,64K,1M,16M,64M]
+        [--trials 5] [--max-reps 300] [--topologies static,dynamic] [--no-gloo] [--json out.json]
 
-Run:  mpiexec -n 4 python examples/benchmarks/bench_neighbor_allreduce.py [--sizes 4K,64K,1M,16M,64M]
-Prints one row per size: median seconds per op (max over agents) and the ratio.
+Exp-2 graph (topology.ExponentialTwoGraph), float32, uniform weights 1/(k+1).
+- static: bf.neighbor_allreduce(x) on the static topology; raw = Neighbor_allgather
+  on a dist-graph communicator of the same graph + one numpy gemv over a (k+1, n)
+  buffer (self row copied in).
+- dynamic: one peer per step (topology.GetDynamicOnePeerSendRecvRanks);
+  bf.neighbor_allreduce with that step's dst_weights/src_weights
+  (enable_topo_check=False); raw = Isend/Irecv with the step's peers + the same sum.
+- gloo: dist.all_reduce of the same tensor over all agents, then div_ by the
+  agent count (an average, what a user of torch.distributed would run instead).
+
+Methods alternate in rounds; each figure is the median over trials of the slowest
+agent's mean seconds per call. Ratios are taken from the figures of this run.
 """
 import argparse
-import os
-import time
+import itertools
 
-# one BLAS thread per agent: agents share cores, and idle OpenBLAS threads spin
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
+import _bench
 import numpy as np
 import torch
 
 import bluefog_lite as bf
+import topology
 from bluefog_lite._mpi import MPI
 
 
-def parse_size(s):
-    mult = {"K": 1024, "M": 1024 ** 2}.get(s[-1].upper(), 1)
-    return int(float(s.rstrip("kKmM")) * mult)
+def dynamic_steps(size, rank, count=12):
+    """The first `count` steps of the one-peer Exp-2 schedule (12: a multiple of every
+    period up to 8 agents, so cycling them keeps all agents in lockstep)."""
+    sched = topology.GetDynamicOnePeerSendRecvRanks(topology.ExponentialTwoGraph(size), rank)
+    return list(itertools.islice(sched, count))
 
 
-def reps_for(nbytes):
-    return max(3, min(300, int(2e7 // max(nbytes, 1))))
-
-
-def timed(fn, reps, comm, trials):
-    """Median over trials of (max over agents of mean seconds per call)."""
-    fn()
-    out = []
-    for _ in range(trials):
-        comm.Barrier()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        dt = (time.perf_counter() - t) / reps
-        out.append(comm.allreduce(dt, op=MPI.MAX))
-    return float(np.median(out)), float(min(out)), float(max(out))
-
-
-def raw_exchange(comm, graph_comm, x, self_w, w):
-    k = len(w)
-    buf = np.empty((k + 1, x.size), dtype=x.dtype)
-    recv = buf[1:]
+def bf_dynamic(x, steps):
+    counter = [0]
 
     def run():
-        graph_comm.Neighbor_allgather(x, recv)
-        buf[0] = x
-        return w_all @ buf
-    w_all = np.array([self_w] + list(w), dtype=x.dtype)
+        send, recv = steps[counter[0] % len(steps)]
+        counter[0] += 1
+        w = 1.0 / (len(recv) + 1)
+        return bf.neighbor_allreduce(x, self_weight=w, src_weights={r: w for r in recv}, dst_weights=send,
+                                     enable_topo_check=False, name="bench.dynamic")
     return run
+
+
+def gloo_average(dist, t, size):
+    def run():
+        dist.all_reduce(t)
+        t.div_(size)
+    return run
+
+
+def measure(kind, nbytes, comm, graph_comm, dist, args):
+    rank, size = comm.rank, comm.size
+    x_np = np.random.default_rng(rank).random(nbytes // 4, dtype=np.float32)
+    x = torch.from_numpy(x_np)
+    if kind == "static":
+        methods = {"raw": _bench.raw_static(graph_comm, x_np, bf.in_neighbor_ranks()),
+                   "bf": lambda: bf.neighbor_allreduce(x, name="bench.static")}
+    else:
+        steps = dynamic_steps(size, rank)
+        methods = {"raw": _bench.raw_dynamic(comm, x_np, steps), "bf": bf_dynamic(x, steps)}
+    if dist is not None:
+        methods["gloo"] = gloo_average(dist, x.clone(), size)
+    return _bench.interleaved(methods, _bench.reps_for(nbytes, hi=args.max_reps), args.trials, comm)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--topologies", default="static,dynamic")
+    ap.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed baseline")
+    _bench.add_common_arguments(ap)
     args = ap.parse_args()
-    bf.init()
+    sizes = [_bench.parse_size(s) for s in args.sizes.split(",")]
+    kinds = args.topologies.split(",")
+    bf.init(topology_fn=topology.ExponentialTwoGraph)
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    rank, size = bf.rank(), bf.size()
-    ins, outs = bf.in_neighbor_ranks(), bf.out_neighbor_ranks()
-    graph_comm = comm.Create_dist_graph_adjacent(ins, outs, reorder=False)
-    self_w = 1.0 / (len(ins) + 1)
+    comm = MPI.COMM_WORLD.Dup()
+    graph_comm = comm.Create_dist_graph_adjacent(bf.in_neighbor_ranks(), bf.out_neighbor_ranks(),
+                                                 reorder=False)
+    dist = None if args.no_gloo else _bench.init_gloo(comm)
     rows = []
-    for nbytes in map(parse_size, args.sizes.split(",")):
-        n = nbytes // 4
-        x_np = np.random.default_rng(rank).random(n, dtype=np.float32)
-        x = torch.from_numpy(x_np)
-        reps = reps_for(nbytes)
-        raw = timed(raw_exchange(comm, graph_comm, x_np, self_w, [self_w] * len(ins)), reps, comm, args.trials)
-        ours = timed(lambda: bf.neighbor_allreduce(x, name="bench"), reps, comm, args.trials)
-        rows.append((f"{nbytes // 1024} KB" if nbytes < 1 << 20 else f"{nbytes >> 20} MB", raw, ours))
-    # fusion: 64 concurrent 16 KB ops vs one raw 1 MB exchange
-    small = [torch.rand(4096) for _ in range(64)]
-
-    def fused():
-        hs = [bf.neighbor_allreduce_nonblocking(t, name=f"fuse.{i}") for i, t in enumerate(small)]
-        for h in hs:
-            bf.synchronize(h)
-    raw1m = timed(raw_exchange(comm, graph_comm, np.random.rand(262144).astype(np.float32), self_w,
-                               [self_w] * len(ins)), 20, comm, args.trials)
-    fus = timed(fused, 20, comm, args.trials)
-    if rank == 0:
-        print(f"neighbor_allreduce vs raw mpi4py, {size} agents, in-degree {len(ins)}, float32 "
-              f"(median of {args.trials} trials, max over agents)")
-        print(f"{'size':>8} {'raw mpi4py':>12} {'bluefog_lite':>13} {'ratio':>7}")
-        for label, raw, ours in rows:
-            print(f"{label:>8} {raw[0] * 1e3:10.3f}ms {ours[0] * 1e3:11.3f}ms {ours[0] / raw[0]:7.2f}")
-        print(f"64 x 16 KB fused: {fus[0] * 1e3:.3f} ms vs one raw 1 MB exchange {raw1m[0] * 1e3:.3f} ms "
-              f"-> ratio {fus[0] / raw1m[0]:.2f}")
+    for kind in kinds:
+        for nbytes in sizes:
+            res = measure(kind, nbytes, comm, graph_comm, dist, args)
+            values = {f"{m}_s": v[0] for m, v in res.items()}
+            values.update({f"{m}_min_s": v[1] for m, v in res.items()})
+            values.update({f"{m}_max_s": v[2] for m, v in res.items()})
+            values["bf/raw"] = res["bf"][0] / res["raw"][0]
+            if "gloo" in res:
+                values["bf/gloo"] = res["bf"][0] / res["gloo"][0]
+            rows.append({"key": {"topology": kind, "bytes": nbytes}, "values": values})
+    if comm.rank == 0:
+        print(f"neighbor_allreduce, {comm.size} agents, Exp-2 (static in-degree {len(bf.in_neighbor_ranks())}), "
+              f"float32; median of {args.trials} trials of the slowest agent's mean ms per call")
+        print(f"{'topology':>8} {'size':>8} {'raw mpi4py':>11} {'bluefog':>10} {'gloo':>10} "
+              f"{'bf/raw':>7} {'bf/gloo':>8}")
+        for r in rows:
+            v, k = r["values"], r["key"]
+            gloo = f"{v['gloo_s'] * 1e3:10.3f}" if "gloo_s" in v else f"{'-':>10}"
+            print(f"{k['topology']:>8} {_bench.size_label(k['bytes']):>8} {v['raw_s'] * 1e3:11.3f} "
+                  f"{v['bf_s'] * 1e3:10.3f} {gloo} {v['bf/raw']:7.2f} {v.get('bf/gloo', float('nan')):8.3f}")
+    _bench.write_json(args.json if comm.rank == 0 else None, "neighbor_allreduce", comm.size,
+                      {"sizes": sizes, "trials": args.trials, "topologies": kinds}, rows)
+    if dist is not None:
+        dist.destroy_process_group()
     graph_comm.Free()
+    comm.Free()
     bf.shutdown()
 
 

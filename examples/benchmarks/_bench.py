@@ -1,0 +1,135 @@
+"""Shared helpers of the benchmark scripts: sizes, interleaved timing, baselines, JSON output.
+
+Import this module first: it pins one BLAS/OpenMP thread per agent before
+numpy or torch start their thread pools (agents share cores; idle OpenBLAS
+threads spin, LIMITS.md point 2).
+"""
+import json
+import os
+import socket
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402  (after the thread settings on purpose)
+
+
+def parse_size(text):
+    """'4K' -> 4096, '1M' -> 1048576, '100' -> 100 (bytes)."""
+    text = text.strip()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
+    return int(float(text.rstrip("kKmMgG")) * mult)
+
+
+def size_label(nbytes):
+    if nbytes >= 1 << 20:
+        return f"{nbytes / (1 << 20):g} MB"
+    return f"{nbytes / 1024:g} KB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def reps_for(nbytes, budget_bytes=2e7, lo=3, hi=300):
+    """Calls per timed block: about budget_bytes moved, between lo and hi calls."""
+    return max(lo, min(hi, int(budget_bytes // max(nbytes, 1))))
+
+
+def interleaved(methods, reps, trials, comm):
+    """{name: (median, min, max)} over trials of the slowest agent's mean seconds per call.
+
+    Methods run in rounds (A B C A B C ...), each block preceded by a barrier,
+    so drift of the machine's load hits every method alike. One untimed call of
+    each method first (connections, buffers, allocator)."""
+    from mpi4py import MPI
+    for fn in methods.values():
+        fn()
+    samples = {name: [] for name in methods}
+    for _ in range(trials):
+        for name, fn in methods.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            dt = (time.perf_counter() - t0) / reps
+            samples[name].append(comm.allreduce(dt, op=MPI.MAX))
+    return {name: spread(v) for name, v in samples.items()}
+
+
+def spread(values):
+    """(median, min, max) of a non-empty sequence, as floats."""
+    return float(np.median(values)), float(min(values)), float(max(values))
+
+
+class RawNeighborAverage:
+    """The raw mpi4py baseline of neighbor_allreduce: receive the neighbors' arrays,
+    then one BLAS gemv over a contiguous (k+1, n) buffer (self row copied in)."""
+
+    def __init__(self, n, self_weight, src_weights, dtype=np.float32):
+        self.ranks = list(src_weights)
+        self.buf = np.empty((len(self.ranks) + 1, n), dtype=dtype)
+        self.w = np.array([self_weight] + [src_weights[r] for r in self.ranks], dtype=dtype)
+
+    def combine(self, x):
+        self.buf[0] = x
+        return self.w @ self.buf
+
+
+def raw_static(graph_comm, x, in_ranks):
+    """Neighbor_allgather on a dist-graph communicator + weighted sum (uniform weights)."""
+    w = 1.0 / (len(in_ranks) + 1)
+    avg = RawNeighborAverage(x.size, w, {r: w for r in in_ranks}, x.dtype)
+
+    def run():
+        graph_comm.Neighbor_allgather(x, avg.buf[1:])
+        return avg.combine(x)
+    return run
+
+
+def raw_dynamic(comm, x, steps):
+    """Per step: Isend to the step's send ranks, Irecv from its receive ranks, then the
+    weighted sum. steps: list of (send_ranks, recv_ranks), cycled in lockstep."""
+    from mpi4py import MPI
+    plans = []
+    for send, recv in steps:
+        w = 1.0 / (len(recv) + 1)
+        plans.append((send, recv, RawNeighborAverage(x.size, w, {r: w for r in recv}, x.dtype)))
+    counter = [0]
+
+    def run():
+        send, recv, avg = plans[counter[0] % len(plans)]
+        counter[0] += 1
+        reqs = [comm.Irecv(avg.buf[i + 1], source=r, tag=7) for i, r in enumerate(recv)]
+        reqs += [comm.Isend(x, dest=d, tag=7) for d in send]
+        MPI.Request.Waitall(reqs)
+        return avg.combine(x)
+    return run
+
+
+def init_gloo(comm):
+    """torch.distributed with gloo on 127.0.0.1; rank and world size from MPI, port chosen
+    by rank 0 (a free one) and broadcast over MPI."""
+    import torch.distributed as dist
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+    return dist
+
+
+def add_common_arguments(parser, trials=5):
+    parser.add_argument("--trials", type=int, default=trials, help="timed rounds per method")
+    parser.add_argument("--max-reps", type=int, default=300, help="at most this many calls per timed block")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="rank 0 writes the results here as JSON (rows of key + values)")
+
+
+def write_json(path, bench, agents, params, rows):
+    """rows: list of {"key": {...}, "values": {name: float}}. Does nothing when path is None."""
+    if path is None:
+        return
+    with open(path, "w") as f:
+        json.dump({"bench": bench, "agents": agents, "params": params, "rows": rows}, f, indent=1)
