@@ -1,4 +1,7 @@
-"""Benchmark of one-sided window operations (run: mpiexec -n 4 python bench_windows.py).
+"""Benchmark of one-sided window operations.
+
+    mpiexec -n 4 python examples/benchmarks/bench_windows.py [--sizes 4K,64K,1M,16M] [--rounds 5]
+        [--parts rma,busy,side] [--json out.json]
 
 1. win_put / win_accumulate to every out-neighbor (ExponentialGraph: 2 at N=4)
    against raw mpi4py on Win.Allocate windows, same run, same sizes (float32):
@@ -18,24 +21,21 @@ small-message times still vary between launches: compare rows of one run.
 import argparse
 import time
 
+import _bench
 import numpy as np
 import torch
 
 import bluefog_lite as bf
 from bluefog_lite._mpi import MPI
 
-SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
-ROUNDS = 5
-
-
 def reps_for(nbytes):
     return 40 if nbytes <= 64 << 10 else (10 if nbytes <= 1 << 20 else 2)
 
 
-def interleaved(methods, reps, sync):
-    """{name: median seconds} of calls of each method, run in ROUNDS interleaved blocks."""
+def interleaved(methods, reps, sync, rounds):
+    """{name: median seconds} of calls of each method, run in `rounds` interleaved blocks."""
     samples = {name: [] for name in methods}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, fn in methods.items():
             sync()
             for _ in range(reps):
@@ -76,10 +76,10 @@ def raw_window(comm, nbytes):
     return win
 
 
-def bench_rma(comm):
+def bench_rma(comm, sizes, rounds):
     outs = bf.out_neighbor_ranks()
     rows = []
-    for nbytes in SIZES:
+    for nbytes in sizes:
         src, t = np.ones(nbytes // 4, np.float32), torch.ones(nbytes // 4)
         locked, epoch = raw_window(comm, nbytes), raw_window(comm, nbytes)
         epoch.Lock_all(MPI.MODE_NOCHECK)
@@ -93,7 +93,7 @@ def bench_rma(comm):
             "acc": lambda: bf.win_accumulate(t, "bench"),
             "acc_mutex": lambda: bf.win_accumulate(t, "bench", require_mutex=True),
         }
-        res = interleaved(methods, reps_for(nbytes), comm.Barrier)
+        res = interleaved(methods, reps_for(nbytes), comm.Barrier, rounds)
         bf.barrier()
         bf.win_free("bench")
         epoch.Unlock_all()
@@ -176,10 +176,10 @@ CONDITIONS = {"no window": "idle", "window exists (idle)": "idle",
               "in-neighbors win_put 1 MB into rank 0 / 5 ms": "put"}
 
 
-def side_effects():
+def side_effects(rounds):
     x, small = torch.ones(256 * 1024), torch.ones(1024)
     samples = {c: {"nar_4k": [], "nar_1m": [], "compute": [], "idle_cpu": []} for c in CONDITIONS}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for cond in CONDITIONS:
             want = cond != "no window"
             if want and not bf.get_current_created_window_names():
@@ -205,7 +205,17 @@ def side_effects():
 
 def report(rows, busy, side):
     us = lambda s: f"{s * 1e6:.1f}"   # noqa: E731
-    label = lambda n: f"{n >> 10} KB" if n < 1 << 20 else f"{n >> 20} MB"   # noqa: E731
+    label = _bench.size_label
+    if rows:
+        report_rma(rows, us, label)
+    if busy is not None:
+        print(f"\n1 MB win_accumulate(require_mutex=True) into an agent computing for 1 s without MPI "
+              f"calls: median {busy[0] * 1e3:.2f} ms over {busy[1]} calls")
+    if side is not None:
+        report_side(side, us)
+
+
+def report_rma(rows, us, label):
     print(f"N={bf.size()} agents, ExponentialGraph, {len(bf.out_neighbor_ranks())} out-neighbors each; "
           "one round = the op to every out-neighbor; median per agent, mean over agents, in us")
     for op, key in (("put", "put"), ("accumulate", "acc")):
@@ -218,8 +228,9 @@ def report(rows, busy, side):
     print("\n| size | win_accumulate(require_mutex=True) | ratio to win_accumulate |\n|---|---|---|")
     for nbytes, r in rows:
         print(f"| {label(nbytes)} | {us(r['acc_mutex'])} | {r['acc_mutex'] / r['acc']:.2f} |")
-    print(f"\n1 MB win_accumulate(require_mutex=True) into an agent computing for 1 s without MPI "
-          f"calls: median {busy[0] * 1e3:.2f} ms over {busy[1]} calls")
+
+
+def report_side(side, us):
     print("\n| condition | neighbor_allreduce 4 KB (us) | neighbor_allreduce 1 MB (us) "
           "| rank 0 compute loop (ms) | idle agent CPU use |")
     print("|---|---|---|---|---|")
@@ -228,16 +239,47 @@ def report(rows, busy, side):
         print(f"| {cond} | {us(r['nar_4k'])} | {us(r['nar_1m'])} | {r['compute'] * 1e3:.1f} | {cpu} |")
 
 
+RMA_RATIOS = {"put/lock_put": ("put", "lock_put"), "put/flush_put": ("put", "flush_put"),
+              "acc/lock_acc": ("acc", "lock_acc"), "acc/flush_acc": ("acc", "flush_acc"),
+              "acc_mutex/acc": ("acc_mutex", "acc")}
+
+
+def json_rows(rows, busy, side):
+    out = []
+    for nbytes, r in rows:
+        values = {f"{k}_s": v for k, v in r.items()}
+        values.update({name: r[a] / r[b] for name, (a, b) in RMA_RATIOS.items()})
+        out.append({"key": {"table": "rma", "bytes": nbytes}, "values": values})
+    if busy is not None:
+        out.append({"key": {"table": "busy"}, "values": {"median_s": busy[0], "calls": busy[1]}})
+    for cond, r in (side or {}).items():
+        out.append({"key": {"table": "side", "condition": cond},
+                    "values": {"nar_4k_s": r["nar_4k"], "nar_1m_s": r["nar_1m"], "compute_s": r["compute"],
+                               "idle_cpu": r["idle_cpu"]}})
+    return out
+
+
 def main():
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4K,64K,1M,16M")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per measurement")
+    ap.add_argument("--parts", default="rma,busy,side",
+                    help="comma list of: rma (ops vs raw RMA), busy (busy target), side (side effects)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    sizes = [_bench.parse_size(s) for s in args.sizes.split(",")]
     bf.init()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD.Dup()
-    rows = bench_rma(comm)
-    busy = busy_target()
-    side = side_effects()
+    rows = bench_rma(comm, sizes, args.rounds) if "rma" in parts else []
+    busy = busy_target() if "busy" in parts else None
+    side = side_effects(args.rounds) if "side" in parts else None
     if bf.rank() == 0:
         report(rows, busy, side)
+    _bench.write_json(args.json if bf.rank() == 0 else None, "windows", bf.size(),
+                      {"sizes": sizes, "rounds": args.rounds, "parts": sorted(parts),
+                       "out_degree": len(bf.out_neighbor_ranks())}, json_rows(rows, busy, side))
     comm.Free()
     bf.shutdown()
 
