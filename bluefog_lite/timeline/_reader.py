@@ -1,7 +1,9 @@
 """Reading timeline files back: events (also from a killed agent's unterminated
-array), metadata, and the spans of every (pid, tid) row with their nesting."""
+array, and streamed one at a time for large files), metadata, and the spans of
+every (pid, tid) row with their nesting."""
 import collections
 import json
+import re
 
 Span = collections.namedtuple("Span", "pid tid name begin end parent")
 Span.__doc__ = "One slice: begin/end in µs; parent is the enclosing slice's name on the row, or None."
@@ -77,3 +79,85 @@ def read_spans(events, complete=True):
             spans.append(Span(key[0], key[1], name, begin, end, stack[-1][2] if stack else None))
             stack.append((begin, end, name))
     return spans
+
+
+# ---- streaming (bftimeline): one event at a time, for files of hundreds of MB ----
+
+# The writer's begin/end/instant lines; anything else goes through json.loads.
+_FAST_LINE = re.compile(r'\{"name":"([^"\\]*)","ph":"([BEi])",(?:"s":"t",)?"ts":(-?[0-9.]+),'
+                        r'"pid":(-?\d+),"tid":(-?\d+)\}\Z')
+
+
+def iter_events(path):
+    """The events of a timeline file one by one, without holding the file in memory.
+
+    Reads the writer's layout (an array with one event per line) line by line;
+    like read_events it accepts a killed agent's file (no closing bracket, the
+    last line maybe cut) and drops an incomplete last line. Any other JSON
+    layout (one line, indented, an object with "traceEvents") is loaded whole.
+    Raises ValueError naming the path when the file is not a JSON trace."""
+    try:
+        yield from _iter_lines(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a timeline file (not UTF-8 text)") from None
+
+
+def _iter_lines(path):
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+        if first.strip() != "[":
+            yield from _load_whole(path)
+            return
+        bad = None           # (line number, text) of an unparsable line, fatal unless it is the last
+        for number, line in enumerate(f, start=2):
+            line = line.rstrip()
+            if line.endswith(","):
+                line = line[:-1]
+            if not line or line == "]":
+                continue
+            if bad is not None:
+                raise ValueError(f"{path}: line {bad[0]} is not a JSON trace event: {bad[1][:80]!r}")
+            m = _FAST_LINE.match(line)
+            if m is not None:
+                name, ph, ts, pid, tid = m.groups()
+                ev = {"name": name, "ph": ph, "ts": float(ts), "pid": int(pid), "tid": int(tid)}
+                if ph == "i":
+                    ev["s"] = "t"
+                yield ev
+                continue
+            if line.endswith("]"):       # "...}]": the array closed on the last event's line
+                line = line[:-1].rstrip().rstrip(",")
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                if number == 2:          # an indented array: not the one-event-per-line layout
+                    yield from _load_whole(path)
+                    return
+                bad = (number, line)
+                continue
+            if not isinstance(ev, dict):
+                raise ValueError(f"{path}: line {number} is not a JSON trace event: {line[:80]!r}")
+            yield ev
+
+
+def _load_whole(path):
+    try:
+        events = read_events(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a timeline file (not a JSON trace: {exc})") from None
+    if isinstance(events, dict):
+        events = events.get("traceEvents")
+    if not isinstance(events, list) or not all(isinstance(ev, dict) for ev in events):
+        raise ValueError(f"{path} is not a timeline file (not a JSON array of trace events)")
+    return iter(events)
+
+
+def read_metadata(path, within=64):
+    """The bluefog_metadata args of a file, reading only its first events (the
+    writer puts them first). Raises ValueError naming the path if absent."""
+    for k, ev in enumerate(iter_events(path)):
+        if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
+            return ev["args"]
+        if k >= within:
+            break
+    raise ValueError(f"{path} is not a bluefog_lite timeline file (no bluefog_metadata event at its start)")
