@@ -1,11 +1,11 @@
 """Timeline overhead: the same training step with the timeline off and on, in one run.
 
-    mpiexec -n 2 python examples/benchmarks/bench_timeline.py [--steps 25] [--rounds 40]
+    mpiexec -n 2 python examples/benchmarks/bench_timeline.py [--steps 25] [--rounds 40] [--json out.json]
 
-Each agent trains a small multi-layer perceptron; after backward it takes a
-local SGD step and averages every parameter with its neighbors
-(neighbor_allreduce_nonblocking per parameter, named like the parameter: what
-the optimizer wrappers do). "On" rounds record everything a real run records:
+Each agent trains a small multi-layer perceptron with
+bf.DistributedAdaptWithCombineOptimizer (SGD, neighbor_allreduce on the default
+topology): each layer's parameters are sent right after its forward and
+combined in step(). "On" rounds record everything a real run records:
 the timeline started with bf.timeline_start (writer thread running), the
 FORWARD/BACKWARD hooks installed, user activities per step. Off and on rounds
 alternate (in alternating order) so that drift of the machine's load affects
@@ -20,10 +20,11 @@ import tempfile
 import time
 import timeit
 
+import _bench
 import torch
 
 import bluefog_lite as bf
-from bluefog_lite.timeline import _control, _recorder
+from bluefog_lite.timeline import _recorder
 
 
 def build_model(width, layers):
@@ -34,35 +35,30 @@ def build_model(width, layers):
     return torch.nn.Sequential(*mods)
 
 
-def train_step(model, params, data, target, lr=0.01):
+def train_step(model, opt, data, target):
+    """One AWC step; opt.step() also advances the timeline's step counter."""
     with bf.timeline_context("loss", "STEP"):
+        opt.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(model(data), target)
-        model.zero_grad(set_to_none=False)
         loss.backward()
-    with torch.no_grad():
-        for _, p in params:
-            p.add_(p.grad, alpha=-lr)
-        handles = [(p, bf.neighbor_allreduce_nonblocking(p, name=n)) for n, p in params]
-        for p, h in handles:
-            p.copy_(bf.synchronize(h))
-    _control.step()
+    opt.step()
 
 
-def timed_round(model, params, batches, steps):
+def timed_round(model, opt, batches, steps):
     """(wall seconds, process CPU seconds) per step; CPU time counts every thread
     of this agent (main, communication, timeline writer)."""
     bf.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     for k in range(steps):
-        train_step(model, params, *batches[k % len(batches)])
+        train_step(model, opt, *batches[k % len(batches)])
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
-def recorded_round(model, params, batches, steps, prefix):
+def recorded_round(model, opt, batches, steps, prefix):
     hooks = bf.timeline_install_hooks(model)
     bf.timeline_start(prefix)
     try:
-        return timed_round(model, params, batches, steps)
+        return timed_round(model, opt, batches, steps)
     finally:
         bf.timeline_stop()
         hooks.remove()
@@ -84,27 +80,30 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--dir", default=None, help="where the timeline files go (default: a temp dir)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")
     args = ap.parse_args()
 
     bf.init()
     torch.manual_seed(bf.rank())
     model = build_model(args.width, args.layers)
     bf.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
     params = list(model.named_parameters())
     batches = [(torch.randn(args.batch, 32), torch.randint(0, 10, (args.batch,))) for _ in range(8)]
     folder = args.dir or tempfile.mkdtemp(prefix="bench_timeline_")
+    os.makedirs(folder, exist_ok=True)
     for _ in range(10):        # warm-up: buffers, connections, allocator
-        train_step(model, params, *batches[0])
+        train_step(model, opt, *batches[0])
 
     off, on = [], []
     for r in range(args.rounds):
         prefix = os.path.join(folder, f"round{r}_")
         if r % 2:       # alternate the order inside a pair: a trend in the machine's load cancels
-            on.append(recorded_round(model, params, batches, args.steps, prefix))
-            off.append(timed_round(model, params, batches, args.steps))
+            on.append(recorded_round(model, opt, batches, args.steps, prefix))
+            off.append(timed_round(model, opt, batches, args.steps))
         else:
-            off.append(timed_round(model, params, batches, args.steps))
-            on.append(recorded_round(model, params, batches, args.steps, prefix))
+            off.append(timed_round(model, opt, batches, args.steps))
+            on.append(recorded_round(model, opt, batches, args.steps, prefix))
     with open(os.path.join(folder, f"round0_{bf.rank()}.json")) as f:
         events = sum(1 for line in f if '"ph":"B"' in line) * 2 / args.steps
 
@@ -118,7 +117,7 @@ def main():
     site_ns, site_total_ns = disabled_site_ns()
     if bf.rank() == 0:
         mean_ms = lambda xs, i: statistics.fmean(x[i] for x in xs) * 1e3
-        print(f"agents {bf.size()}, MLP {args.layers} layers x {args.width}, batch {args.batch}, "
+        print(f"agents {bf.size()}, MLP {args.layers} layers x {args.width}, batch {args.batch}, AWC optimizer, "
               f"{len(params)} parameters averaged per step; {args.rounds} off/on round pairs x {args.steps} steps")
         print(f"mean step wall time off {mean_ms(off, 0):.3f} ms, on {mean_ms(on, 0):.3f} ms; "
               f"process CPU per step off {mean_ms(off, 1):.3f} ms, on {mean_ms(on, 1):.3f} ms")
@@ -128,6 +127,15 @@ def main():
             + "; CPU " + ", ".join(f"{x:.3f}" for x in ratios[:, 1].tolist()))
         print(f"mean wall ratio {ratios[:, 0].mean().item():.3f}, mean CPU ratio {ratios[:, 1].mean().item():.3f}")
         print(f"disabled event site: {site_total_ns:.0f} ns per call ({site_ns:.0f} ns above an empty call)")
+        mean = lambda xs, i: statistics.fmean(x[i] for x in xs)   # noqa: E731
+        values = {"off_step_s": mean(off, 0), "on_step_s": mean(on, 0), "off_cpu_s": mean(off, 1),
+                  "on_cpu_s": mean(on, 1), "on/off": ratios[:, 0].mean().item(),
+                  "on/off_cpu": ratios[:, 1].mean().item(), "on/off_err": ratios[:, 2].mean().item(),
+                  "events_per_step": events, "disabled_site_ns": site_total_ns}
+        _bench.write_json(args.json, "timeline", bf.size(),
+                          {"steps": args.steps, "rounds": args.rounds, "width": args.width,
+                           "layers": args.layers, "batch": args.batch, "optimizer": "AWC"},
+                          [{"key": {"model": "mlp"}, "values": values}])
     bf.shutdown()
 
 
