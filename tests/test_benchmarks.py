@@ -1,0 +1,87 @@
+"""Smoke tests of the benchmark pipeline: run_all.py's JSON, tables and figure (no performance targets)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from mpi_helpers import REPO
+
+BENCH = os.path.join(REPO, "examples", "benchmarks")
+sys.path.insert(0, BENCH)
+
+import _report  # noqa: E402
+import run_all  # noqa: E402
+
+
+def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
+    docs, work = tmp_path / "docs", tmp_path / "work"
+    cmd = [sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--agents", "2",
+           "--only", "neighbor_allreduce,memory", "--docs", str(docs), "--work", str(work), "--timeout", "150"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"run_all.py --quick did not finish:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+
+    results = json.loads((work / "results.json").read_text())
+    assert results["meta"]["quick"] and results["meta"]["agents"] == [2]
+    nar = {(e["key"]["topology"], e["key"]["bytes"]): e["values"] for e in results["results"]
+           if e["bench"] == "neighbor_allreduce"}
+    assert set(nar) == {(t, b) for t in ("static", "dynamic") for b in (4096, 1 << 20)}
+    for values in nar.values():
+        for name in ("raw_s", "bf_s", "gloo_s", "bf/raw", "bf/gloo"):
+            assert values[name]["median"] > 0 and values[name]["n"] == 1, name
+    memory = {e["key"]["mode"]: e["values"] for e in results["results"] if e["bench"] == "memory"}
+    assert set(memory) == {"bf", "raw"}
+    assert all(v["peak_bytes"]["median"] > 0 and v["expected_bytes"]["median"] > 0 for v in memory.values())
+
+    tables = (docs / "performance_tables.md").read_text()
+    assert "QUICK MODE" in tables
+    assert "### neighbor_allreduce, static Exp-2" in tables and "### neighbor_allreduce, dynamic" in tables
+    assert "| 2 | 4 KB |" in tables and "| 2 | 1 MB |" in tables
+    assert "### Peak resident memory" in tables
+    assert (docs / "performance.png").stat().st_size > 10_000
+
+
+def _run(bench, agents, key, values, params=None):
+    return {"bench": bench, "agents": agents, "params": params or {}, "rows": [{"key": key, "values": values}]}
+
+
+def test_report_covers_every_benchmark_and_summarizes_repeats(tmp_path):
+    methods = ["awc", "atc", "winput", "gradallreduce", "ddp"]
+    training = {f"{m}_{s}": 100.0 for m in methods for s in ("samples_per_s", "step_s")}
+    training.update({f"{m}/ddp": 1.0 for m in methods[:-1]})
+    rma = {f"{k}_s": 1e-5 for k in ("lock_put", "flush_put", "put", "lock_acc", "flush_acc", "acc", "acc_mutex")}
+    rma.update({r: 1.0 for r in ("put/lock_put", "put/flush_put", "acc/lock_acc", "acc/flush_acc", "acc_mutex/acc")})
+    nar = {"raw_s": 1e-3, "bf_s": 1e-3, "gloo_s": 2e-3, "bf/raw": 1.0, "bf/gloo": 0.5}
+    runs = [_run("neighbor_allreduce", 4, {"topology": "static", "bytes": 4096}, dict(nar, **{"bf/raw": r}))
+            for r in (1.0, 2.0, 4.0)]
+    runs += [
+        _run("fusion", 4, {"count": 64, "bytes": 16384},
+             {"fused_s": 2e-3, "one_op_s": 1e-3, "raw_s": 1e-3, "fused/raw": 2.0, "fused/one_op": 2.0}),
+        _run("windows", 4, {"table": "rma", "bytes": 4096}, rma),
+        _run("training", 4, {"model": "cnn"}, training, {"model": "m", "batch": 32, "methods": methods}),
+        _run("timeline", 4, {"model": "mlp"}, {"off_step_s": 0.01, "on_step_s": 0.0101, "on/off": 1.01,
+                                                "on/off_cpu": 1.01, "events_per_step": 100.0}),
+        _run("memory", 4, {"mode": "bf"}, {"peak_bytes": 4.0, "expected_bytes": 4.0, "peak/expected": 1.0,
+                                           "in_degree": 2.0}, {"bytes": 1 << 20}),
+    ]
+    summary = run_all.summarize(runs)
+    ratio = next(e for e in summary if e["bench"] == "neighbor_allreduce")["values"]["bf/raw"]
+    assert ratio == {"median": 2.0, "min": 1.0, "max": 4.0, "n": 3}
+    meta = {"quick": False, "agents": [4], "main_agents": 4, "repeats": 3, "date": "d", "seconds": 1,
+            "load_before": [0.5] * 3, "load_after": [0.5] * 3, "cores": 2, "failures": [], "command": "c"}
+    results = {"meta": meta, "results": summary}
+    text = _report.markdown(results)
+    for header in ("neighbor_allreduce, static", "Fusion", "win_put vs raw", "win_accumulate vs raw",
+                   "Training throughput", "Timeline overhead", "Peak resident memory"):
+        assert f"### {header}" in text, header
+    assert "| 4 | 4 KB | 1 | 1 | 2 | 2.00 (1.00–4.00) | 0.50 | ≤ 3: met |" in text
+    assert "QUICK MODE" not in text
+    _report.figure(results, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
