@@ -69,7 +69,17 @@ def _weight_dict(d, what, size, me):
 
 
 def _rank_list(ranks, what, size, me):
-    return sorted(_weight_dict(list(ranks), what, size, me))
+    return sorted(_ordered_ranks(ranks, what, size, me))
+
+
+def _ordered_ranks(ranks, what, size, me):
+    """The ranks in the order given (it is the order of the result); each at most once."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"{what} must be a list of ranks, got {ranks!r}")
+    ranks = [_rank(r, f"rank in {what}", size, me) for r in ranks]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{what} lists a rank twice: {ranks}")
+    return ranks
 
 
 def _op_name(name, kind):
@@ -83,9 +93,12 @@ def _op_name(name, kind):
 
 
 def _submit(kind, name, make_task):
-    st = state()
-    eng = st.engine
-    return eng.submit(_op_name(name, kind), kind, lambda op: make_task(eng, op))
+    """Enqueue under name, which the op resolved with _op_name before validating its
+    arguments: a generated name is used up even by a call that then fails, so that
+    generated names stay the same on every agent when an error on some agents is
+    caught and the program goes on."""
+    eng = state().engine
+    return eng.submit(name, kind, lambda op: make_task(eng, op))
 
 
 # ---- handles ---------------------------------------------------------------------
@@ -112,6 +125,7 @@ def _reducible(t, kind):
 
 
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
+    name = _op_name(name, "ALLREDUCE")
     x = _reducible(_tensor(tensor), "ALLREDUCE")
     st = state()
     if is_hierarchical_local:
@@ -126,6 +140,7 @@ def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
 
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
     """In place: the result is written into tensor."""
+    name = _op_name(name, "ALLREDUCE")
     x = _reducible(_tensor(tensor), "ALLREDUCE")
     if is_hierarchical_local:
         st = state()
@@ -142,6 +157,7 @@ def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
 
 
 def broadcast_nonblocking(tensor, root_rank, name=None):
+    name = _op_name(name, "BROADCAST")
     x = _tensor(tensor)
     root = _rank(root_rank, "root_rank", state().size)
     return _submit("BROADCAST", name, lambda e, op: _tasks.broadcast(e, op, x, root, None))
@@ -152,6 +168,7 @@ def broadcast(tensor, root_rank, name=None):
 
 
 def broadcast_nonblocking_(tensor, root_rank, name=None):
+    name = _op_name(name, "BROADCAST")
     x = _tensor(tensor)
     root = _rank(root_rank, "root_rank", state().size)
     return _submit("BROADCAST", name, lambda e, op: _tasks.broadcast(e, op, x, root, tensor.detach()))
@@ -162,6 +179,7 @@ def broadcast_(tensor, root_rank, name=None):
 
 
 def allgather_nonblocking(tensor, name=None):
+    name = _op_name(name, "ALLGATHER")
     x = _tensor(tensor)
     if x.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
@@ -174,6 +192,7 @@ def allgather(tensor, name=None):
 
 def _allgather_object(obj, name=None):
     """Every agent's obj, in rank order (collective; used for negotiation)."""
+    name = _op_name(name, "ALLGATHER")
     return synchronize(_submit("ALLGATHER", name, lambda e, op: _tasks.allgather_object(e, op, obj)))
 
 
@@ -217,6 +236,7 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
     else uniform 1/(in-degree+1)). dst_weights (list or {rank: weight}) selects
     dynamic mode: send to those ranks (scaled by the weight), receive from the
     keys of src_weights."""
+    name = _op_name(name, "NEIGHBOR_ALLREDUCE")
     x = _numeric(_tensor(tensor), "neighbor_allreduce")
     st = state()
     sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
@@ -236,6 +256,7 @@ def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weight
 def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True,
                                    name=None):
     """Concatenate (dim 0) the tensors of the in-neighbors (or src_ranks), in that order."""
+    name = _op_name(name, "NEIGHBOR_ALLGATHER")
     x = _tensor(tensor)
     if x.dim() == 0:
         raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
@@ -246,7 +267,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
         send_to, recv_from, dynamic = st.topology.out_ranks, st.topology.in_ranks, False
     else:
         send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
-        recv_from = list(dict.fromkeys(_rank(r, "rank in src_ranks", st.size, st.rank) for r in src_ranks))
+        recv_from = _ordered_ranks(src_ranks, "src_ranks", st.size, st.rank)
         dynamic = True
     check = bool(enable_topo_check) and dynamic
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _tasks.neighbor_allgather(
@@ -264,6 +285,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
     """Sum within each machine, weighted exchange of machine sums between neighbor
     machines (machine topology or the given machine weights), divide by the agents
     per machine."""
+    name = _op_name(name, "HIERARCHICAL_NEIGHBOR_ALLREDUCE")
     x = _numeric(_tensor(tensor), "hierarchical_neighbor_allreduce")
     st = state()
     if not st.homogeneous:
@@ -290,6 +312,7 @@ def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_wei
 
 def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
     """self_weight*x + pair_weight*x_target with one peer (both call it); default ½, ½."""
+    name = _op_name(name, "PAIR_GOSSIP")
     x = _numeric(_tensor(tensor), "pair_gossip")
     st = state()
     target = _rank(target_rank, "target_rank", st.size, st.rank)

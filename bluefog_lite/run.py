@@ -197,11 +197,26 @@ def _check_paths(args: argparse.Namespace) -> Optional[str]:
         if not args.timeline_filename:
             return "--timeline-filename: the prefix is empty"
         directory = os.path.dirname(_absolute_prefix(args.timeline_filename))
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            return f"--timeline-filename: {directory!r} is not a directory"
         if not os.path.isdir(directory):
             return (f"--timeline-filename: directory {directory!r} does not exist "
                     "(create it first)")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return f"--timeline-filename: directory {directory!r} is not writable"
+        problem = _cannot_create_files_in(directory)
+        if problem:
+            return f"--timeline-filename: directory {directory!r} is not writable ({problem})"
+    return None
+
+
+def _cannot_create_files_in(directory: str) -> Optional[str]:
+    """Why no file can be created in directory, or None. Tried for real:
+    os.access says yes to root even where the file system refuses."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".bfrun-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(path)
     return None
 
 

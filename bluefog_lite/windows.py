@@ -43,9 +43,13 @@ def _matching_tensor(tensor, win, what):
     """The contiguous tensor to send; it must be shaped and typed like the window."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape or tensor.device.type != "cpu":
-        raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} on {tensor.device} does "
-                         f"not match window {win.name!r} ({_describe(win.dtype, win.shape)} on cpu)")
+    if tensor.device.type != "cpu":
+        raise TypeError(f"{what}: tensor is on device {tensor.device}; bluefog_lite windows hold CPU "
+                        "tensors (move it with .cpu() first)")
+    if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape:
+        raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} does not match window "
+                         f"{win.name!r} ({_describe(win.dtype, win.shape)}); pass a tensor of the window's "
+                         "shape and dtype")
     return tensor.detach().contiguous()
 
 

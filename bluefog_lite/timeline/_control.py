@@ -27,6 +27,9 @@ def timeline_path(prefix, rank):
 def _open_for_writing(path):
     """The file descriptor of path (created/truncated); ValueError naming the path if impossible."""
     folder = os.path.dirname(path) or "."
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"timeline: cannot write {path!r}: {folder!r} is not a directory "
+                         "(check BLUEFOG_TIMELINE / --timeline-filename)")
     if not os.path.isdir(folder):
         raise ValueError(f"timeline: cannot write {path!r}: directory {folder!r} does not exist "
                          "(check BLUEFOG_TIMELINE / --timeline-filename)")
