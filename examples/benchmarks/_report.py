@@ -5,7 +5,7 @@ import os
 NAR_TARGETS = {4096: 3.0, 1 << 20: 1.3, 16 << 20: 1.15}       # bf/raw, static, 4 agents
 FUSION_TARGET = 2.0                                          # fused/raw
 TIMELINE_TARGET = 1.03                                       # on/off
-MEMORY_SLACK = 1.01                                          # peak/expected (allocator, code pages)
+MEMORY_SLACK_MB = 2       # peak may exceed expected by this (allocator, code pages); a copy is a whole tensor
 METHOD_NAMES = {"awc": "AWC (neighbor_allreduce)", "atc": "ATC (neighbor_allreduce)",
                 "winput": "win_put", "gradallreduce": "gradient allreduce", "ddp": "DDP (gloo)"}
 SHORT_NAMES = {"awc": "AWC", "atc": "ATC", "winput": "win_put", "gradallreduce": "gradient\nallreduce",
@@ -25,13 +25,19 @@ def entries(results, bench, **key):
     return sorted(rows, key=lambda e: (e["agents"], e["key"].get("bytes", 0)))
 
 
-def fmt(stat, scale=1.0, spec=".3g"):
+def _num(x, spec):
+    if spec is None:        # three significant digits, never an exponent
+        return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+    return format(x, spec)
+
+
+def fmt(stat, scale=1.0, spec=None):
     """'median (min–max)' over repeats, or the median alone when they agree."""
     if stat is None:
         return "–"
-    med = format(stat["median"] * scale, spec)
+    med = _num(stat["median"] * scale, spec)
     if stat["n"] > 1 and stat["min"] != stat["max"]:
-        return f"{med} ({format(stat['min'] * scale, spec)}–{format(stat['max'] * scale, spec)})"
+        return f"{med} ({_num(stat['min'] * scale, spec)}–{_num(stat['max'] * scale, spec)})"
     return med
 
 
@@ -147,7 +153,10 @@ def memory_section(results):
     for e in entries(results, "memory"):
         v, mode = e["values"], e["key"]["mode"]
         what = "input + received + output" if mode == "bf" else "input + (k+1)-row buffer + output"
-        target = verdict(v["peak/expected"], MEMORY_SLACK) if mode == "bf" else ""
+        target = ""
+        if mode == "bf":
+            ok = v["peak_bytes"]["median"] <= v["expected_bytes"]["median"] + MEMORY_SLACK_MB * (1 << 20)
+            target = f"≤ expected + {MEMORY_SLACK_MB} MB: {'met' if ok else 'missed'}"
         mb = 1 / (1 << 20)
         rows.append([e["agents"], int(v["in_degree"]["median"]), "bluefog_lite" if mode == "bf" else "raw mpi4py",
                      size_label(e["params"]["bytes"]), fmt(v["peak_bytes"], mb, ".1f"),

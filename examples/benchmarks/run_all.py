@@ -104,6 +104,17 @@ def summarize(runs):
     return out
 
 
+def write_outputs(results, docs, work):
+    sys.path.insert(0, HERE)
+    import _report
+    os.makedirs(docs, exist_ok=True)
+    tables, png = os.path.join(docs, "performance_tables.md"), os.path.join(docs, "performance.png")
+    with open(tables, "w") as f:
+        f.write(_report.markdown(results))
+    _report.figure(results, png)
+    print(f"wrote {tables}, {png}; per-launch JSON and logs in {work}")
+
+
 def load_average():
     try:
         return os.getloadavg()
@@ -121,7 +132,15 @@ def main():
                     help="where performance_tables.md and performance.png go")
     ap.add_argument("--work", default=None, help="folder for the per-launch JSON and logs (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds before one launch is killed")
+    ap.add_argument("--report-only", action="store_true",
+                    help="launch nothing: rewrite the tables and figure from --work's results.json")
     args = ap.parse_args()
+    if args.report_only:
+        if not args.work:
+            ap.error("--report-only needs --work (the folder of an earlier run)")
+        with open(os.path.join(args.work, "results.json")) as f:
+            write_outputs(json.load(f), args.docs, args.work)
+        return
     agent_counts = [int(a) for a in (args.agents or ("2,4" if args.quick else "2,4,8")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
     only = set(args.only.split(","))
@@ -154,15 +173,7 @@ def main():
     results = {"meta": meta, "results": summarize(runs)}
     with open(os.path.join(work, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    sys.path.insert(0, HERE)
-    import _report
-    os.makedirs(args.docs, exist_ok=True)
-    tables = os.path.join(args.docs, "performance_tables.md")
-    with open(tables, "w") as f:
-        f.write(_report.markdown(results))
-    _report.figure(results, os.path.join(args.docs, "performance.png"))
-    print(f"wrote {tables}, {os.path.join(args.docs, 'performance.png')}; "
-          f"per-launch JSON and logs in {work}")
+    write_outputs(results, args.docs, work)
     if failures:
         print("FAILED launches:\n  " + "\n  ".join(failures), file=sys.stderr)
         sys.exit(1)
