@@ -1,8 +1,11 @@
 """Process-wide runtime: init/shutdown, rank and machine layout, the current topology."""
 import atexit
+import math
+import numbers
 import os
 import sys
 import threading
+import time
 import traceback
 import warnings
 
@@ -12,6 +15,7 @@ import torch
 
 import topology as _topo
 
+from ._departures import Departures
 from ._mpi import MPI
 
 
@@ -39,10 +43,12 @@ class _State:
         self.rank_of = {(0, 0): 0}     # (machine rank, local rank) -> rank
         self.local_ranks = [0]         # ranks on this machine
         self.windows = {}         # name -> window object (filled by windows.py)
+        self.departures = None    # Departures: which agents have shut down
         self.clock_offset_us = 0.0
 
 
 _state = _State()
+_ABORT_DELAY_S = 0.5
 
 
 def state():
@@ -62,7 +68,23 @@ def _abort_on_uncaught(exc_type, exc, tb):
         rank = _state.rank
         sys.stderr.write(f"bluefog_lite: uncaught exception on rank {rank}; aborting the job\n")
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        _abort_job()
+
+
+def _abort_job():
+    # A moment first: agents that failed at the same point (the same bad input
+    # everywhere) get to print their own error before the abort kills them.
+    time.sleep(_ABORT_DELAY_S)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _abort_for_departed(op, departed_rank):
+    sys.stderr.write(
+        f"bluefog_lite: rank {_state.rank}: {op.kind} {op.name!r} waits for rank {departed_rank}, which "
+        f"has left the job (its program ended, called sys.exit() or bf.shutdown()) without joining "
+        f"this operation; aborting the job\n")
+    sys.stderr.flush()
+    _abort_job()
 
 
 def _thread_excepthook(args):
@@ -103,6 +125,7 @@ def init(topology_fn=None, is_weighted=False):
     """Start MPI (if needed), the communication thread and the default topology.
 
     topology_fn: callable size -> networkx.DiGraph; default ExponentialGraph(size).
+    Every agent must get the same graph (checked: ValueError on every agent if not).
     """
     from . import _engine
     if _state.initialized:
@@ -110,25 +133,42 @@ def init(topology_fn=None, is_weighted=False):
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     comm = MPI.COMM_WORLD.Dup()
-    _state.comm = comm
     _state.rank, _state.size = comm.rank, comm.size
+    # From here on an uncaught error on one agent (a bad topology_fn, a bad
+    # timeline prefix...) takes the job down instead of leaving the others in init.
+    sys.excepthook = _abort_on_uncaught
+    threading.excepthook = _thread_excepthook
+    _state.comm = comm
     local, _state.machine_rank, _state.machine_size, layout = _machine_layout(comm)
     _state.homogeneous = len({n for _, _, n in layout}) == 1
     _state.rank_of = {(m, l): r for r, (m, l, _) in enumerate(layout)}
     _state.local_ranks = sorted(r for r, (m, _, _) in enumerate(layout) if m == _state.machine_rank)
     _state.local_rank, _state.local_size = local.rank, local.size
     local.Free()
+    G = _initial_topology(topology_fn, is_weighted, comm)
     _set_compute_threads(_state.local_size)
-    sys.excepthook = _abort_on_uncaught
-    threading.excepthook = _thread_excepthook
     _state.engine = _engine.Engine(comm.Dup(), _state.rank, _state.size)
+    _state.departures = Departures(comm, _state.engine, _abort_for_departed)
     _state.initialized = True
     _state.shut_down = False
-    G = topology_fn(_state.size) if topology_fn is not None else _topo.ExponentialGraph(_state.size)
     _install_topology(G, is_weighted)
     _install_machine_topology(_topo.ExponentialGraph(_state.machine_size), False)
-    _start_timeline_if_requested()
     atexit.register(shutdown)
+    _start_timeline_if_requested()
+
+
+def _initial_topology(topology_fn, is_weighted, comm):
+    """topology_fn(size), validated, and the same graph on every agent (collective)."""
+    if topology_fn is None:
+        return _topo.ExponentialGraph(comm.size)
+    if not callable(topology_fn):
+        raise TypeError(f"topology_fn must be a callable size -> networkx.DiGraph, got {topology_fn!r}")
+    G = _validate_graph(topology_fn(comm.size), comm.size, "init: the graph returned by topology_fn",
+                        is_weighted)
+    if len(set(comm.allgather(_fingerprint(G)))) != 1:
+        raise ValueError("init: topology_fn returned different graphs on different agents; it must "
+                         "give every agent the same graph")
+    return G
 
 
 def _start_timeline_if_requested():
@@ -137,7 +177,8 @@ def _start_timeline_if_requested():
 
 
 def shutdown():
-    """Finish in-flight work, stop the communication thread, free windows."""
+    """Finish in-flight work, stop the communication thread, free windows, then wait
+    until every agent has shut down too (as MPI_Finalize does). Also runs at exit."""
     if not _state.initialized:
         return
     from .timeline import _control
@@ -145,7 +186,9 @@ def shutdown():
     windows.win_free()
     _state.engine.stop()
     _control.stop_timeline()
+    _state.departures.leave()
     _state.engine = None
+    _state.departures = None
     _state.comm.Free()
     _state.comm = None
     _state.initialized = False
@@ -189,12 +232,17 @@ def mpi_threads_supported():
 
 # ---- topology -------------------------------------------------------------
 
-def _validate_graph(G, n, what):
+def _validate_graph(G, n, what, is_weighted=False):
     if not isinstance(G, nx.Graph):
         raise TypeError(f"{what} must be a networkx.DiGraph, got {type(G).__name__}")
     if G.number_of_nodes() != n or set(G.nodes) != set(range(n)):
         raise ValueError(f"{what} must have nodes 0..{n - 1} (one per agent), "
                          f"got {G.number_of_nodes()} nodes")
+    if is_weighted:
+        for i, j, w in G.edges(data="weight", default=1.0):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+                raise ValueError(f"{what}: edge {i} -> {j} has weight {w!r}; with is_weighted=True "
+                                 "every edge weight must be a finite number")
     return G if G.is_directed() else G.to_directed()
 
 
@@ -230,7 +278,8 @@ def set_topology(topology=None, is_weighted=False):
     """Replace the static topology (collective). Returns False, with a warning,
     while windows exist or operations are in flight on any agent."""
     st = state()
-    G = _topo.ExponentialGraph(st.size) if topology is None else _validate_graph(topology, st.size, "topology")
+    G = (_topo.ExponentialGraph(st.size) if topology is None
+         else _validate_graph(topology, st.size, "topology", is_weighted))
     busy = bool(st.windows) or st.engine.has_pending()
     from .ops import _allgather_object
     views = _allgather_object((busy, _fingerprint(G)), name="set_topology")
@@ -263,7 +312,7 @@ def out_neighbor_ranks():
 def set_machine_topology(topology, is_weighted=False):
     """Topology among machines, used by hierarchical_neighbor_allreduce (collective)."""
     st = state()
-    G = _validate_graph(topology, st.machine_size, "machine topology")
+    G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted)
     from .ops import _allgather_object
     views = _allgather_object(_fingerprint(G), name="set_machine_topology")
     if any(fp != views[0] for fp in views):
