@@ -1,0 +1,73 @@
+"""The bftimeline command (also ``python -m bluefog_lite.timeline``): merge, summary, plot."""
+import argparse
+import json
+import sys
+
+_TOPOLOGIES = ("ExponentialGraph", "ExponentialTwoGraph", "FullyConnectedGraph", "MeshGrid2DGraph",
+               "RingGraph", "StarGraph", "SymmetricExponentialGraph")
+
+
+def _parser():
+    ap = argparse.ArgumentParser(
+        prog="bftimeline",
+        description="Read the per-agent timeline files PREFIX<rank>.json of one run (bfrun "
+                    "--timeline-filename PREFIX) together, on rank 0's clock.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{merge,summary,plot}")
+    m = sub.add_parser("merge", help="all agents in one trace file (Perfetto / chrome://tracing)",
+                       description="Write one trace: a process per agent, a thread per row of its file, "
+                                   "clocks aligned, flow arrows from each send to the matching receive.")
+    m.add_argument("prefix", metavar="PREFIX")
+    m.add_argument("-o", "--output", required=True, metavar="MERGED.json")
+    m.add_argument("--topology", choices=_TOPOLOGIES, metavar="NAME",
+                   help="the run's static topology (a builder of the topology package, e.g. "
+                        "ExponentialTwoGraph): neighbor-operation arrows follow its edges; without it "
+                        "they connect every pair of agents, as the files do not record neighbors")
+    m.add_argument("--no-flows", action="store_true", help="leave out the arrows")
+    s = sub.add_parser("summary", help="time per phase, overlap, stragglers, per agent",
+                       description="Per agent: time in FORWARD, BACKWARD, communication and each of its "
+                                   "phases, idle; communication/computation overlap; straggler ranking.")
+    s.add_argument("prefix", metavar="PREFIX")
+    s.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
+    s.add_argument("--compute", action="append", default=[], metavar="ACTIVITY",
+                   help="count this activity (e.g. your timeline_context name) as compute too; repeatable")
+    p = sub.add_parser("plot", help="a PNG of all agents on one time axis",
+                       description="Draw every agent's slices on one time axis, one lane per agent and "
+                                   "thread, colored by phase (needs matplotlib).")
+    p.add_argument("prefix", metavar="PREFIX")
+    p.add_argument("-o", "--output", required=True, metavar="TIMELINE.png")
+    p.add_argument("--start", type=float, metavar="MS", help="window start, ms after the first event")
+    p.add_argument("--end", type=float, metavar="MS", help="window end, ms after the first event")
+    return ap
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "merge":
+            from ._merge import merge
+            topo = None
+            if args.topology:
+                import topology
+                topo = getattr(topology, args.topology)
+            counts = merge(args.prefix, args.output, topology=topo, flows=not args.no_flows)
+            print(f"bftimeline: wrote {args.output}: {counts['agents']} agents, {counts['events']} events, "
+                  f"{counts['flows']} flow arrows")
+        elif args.command == "summary":
+            from ._summary import format_summary, summarize
+            summary = summarize(args.prefix, compute=args.compute)
+            sys.stdout.write(format_summary(summary))
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump(summary, f, indent=1)
+        else:
+            from ._plot import plot
+            lanes = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end)
+            print(f"bftimeline: wrote {args.output} ({lanes} lanes)")
+    except (ValueError, RuntimeError, OSError) as exc:
+        sys.stderr.write(f"bftimeline {args.command}: error: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

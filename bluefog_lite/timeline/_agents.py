@@ -1,0 +1,57 @@
+"""Finding the files of one run (PREFIX<rank>.json) and what each says about its agent."""
+import collections
+import os
+import re
+
+from ._reader import read_metadata
+
+Agent = collections.namedtuple("Agent", "rank path hostname offset_us meta")
+Agent.__doc__ = ("One agent's file. offset_us: add it to the file's timestamps to get rank 0's "
+                 "clock (the clock_offset_us measured at init; 0 when not recorded).")
+
+
+def find_agents(prefix):
+    """The agents of the run recorded under prefix, by rank.
+
+    Raises ValueError when there is no PREFIX<rank>.json, when a file is not a
+    timeline or its recorded rank differs from its name, or when the files
+    disagree on the number of agents or some are missing."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty string (files are PREFIX<rank>.json), got {prefix!r}")
+    folder, base = os.path.split(prefix)
+    folder = folder or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"no timeline files {prefix}<rank>.json: directory {folder!r} does not exist")
+    pattern = re.compile(re.escape(base) + r"(\d+)\.json\Z")
+    found = {}
+    for entry in os.listdir(folder):
+        m = pattern.match(entry)
+        if m and os.path.isfile(os.path.join(folder, entry)):
+            found.setdefault(int(m.group(1)), os.path.join(folder, entry))
+    if not found:
+        raise ValueError(f"no timeline files {prefix}<rank>.json (looked for e.g. {prefix}0.json)")
+    agents = [_agent(rank, path) for rank, path in sorted(found.items())]
+    sizes = {a.meta.get("size") for a in agents}
+    if len(sizes) != 1:
+        raise ValueError(f"the files {prefix}<rank>.json come from runs of different sizes {sorted(sizes, key=str)}")
+    size = sizes.pop()
+    if isinstance(size, int):
+        missing = [f"{prefix}{r}.json" for r in range(size) if r not in found]
+        if missing:
+            raise ValueError(f"the run had {size} agents but these files are missing: {', '.join(missing)}")
+        stray = [a.path for a in agents if a.rank >= size]
+        if stray:
+            raise ValueError(f"files for ranks beyond the run's {size} agents: {', '.join(stray)}")
+    return agents
+
+
+def _agent(rank, path):
+    meta = read_metadata(path)
+    if meta.get("rank") != rank:
+        raise ValueError(f"{path} records rank {meta.get('rank')!r}, not {rank} as its name says")
+    offset = meta.get("clock_offset_us")
+    if offset is None:
+        offset = 0.0
+    if not isinstance(offset, (int, float)):
+        raise ValueError(f"{path}: clock_offset_us must be a number, got {offset!r}")
+    return Agent(rank, path, str(meta.get("hostname", "?")), float(offset), meta)

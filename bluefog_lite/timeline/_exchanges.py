@@ -1,0 +1,83 @@
+"""Compact per-operation records of one agent: for the k-th call of each named
+two-sided operation, when the agent called it and when its exchange ran.
+
+Agents are matched by operation name and occurrence number: the k-th
+``ENQUEUE_NEIGHBOR_ALLREDUCE`` of "x" on one agent is the same exchange as the
+k-th on every other (operations of one name run one at a time on an agent).
+The files do not record which neighbors an exchange involved.
+"""
+import collections
+from array import array
+
+# Operations where data goes from agents to agents within one call; window
+# operations are one-sided and have no matching receive.
+COLLECTIVE_KINDS = ("ALLREDUCE", "BROADCAST", "ALLGATHER")
+NEIGHBOR_KINDS = ("NEIGHBOR_ALLREDUCE", "NEIGHBOR_ALLGATHER", "HIERARCHICAL_NEIGHBOR_ALLREDUCE",
+                  "PAIR_GOSSIP")
+EXCHANGE_KINDS = frozenset(COLLECTIVE_KINDS + NEIGHBOR_KINDS)
+
+NAN = float("nan")
+
+Exchanges = collections.namedtuple("Exchanges", "send send_end recv_begin recv tid")
+Exchanges.__doc__ = """Arrays by occurrence: send = begin of the first COMMUNICATE of the
+MPI_ slice (when this agent posted its data), recv = end of the last one (when
+everything it waited for had arrived; NaN if it never completed), with the ends
+of those slices and the row's tid, to place flow arrows inside them."""
+
+
+class AgentExchanges:
+    """Fed an agent's slices in the order they end (SliceReader); then ``finish``."""
+
+    def __init__(self):
+        self._arrivals = collections.defaultdict(lambda: array("d"))   # (pid, kind) -> ENQUEUE begins
+        self._exchanges = {}                                            # (pid, kind) -> Exchanges
+        self._communicate = collections.defaultdict(list)               # (pid, tid) -> pending slices
+        self._enqueue_end = {}                                          # (pid, tid, name) -> last end
+        self.arrivals = {}      # (op name, kind) -> array of ENQUEUE begins, by occurrence
+        self.exchanges = {}     # (op name, kind) -> Exchanges
+        self.pids = {}          # op name -> its pid in this agent's file
+
+    def add(self, s):
+        name = s.name
+        if name == "COMMUNICATE":
+            self._communicate[(s.pid, s.tid)].append(s)
+        elif name.startswith("ENQUEUE_"):
+            kind = name[8:]
+            if kind not in EXCHANGE_KINDS:
+                return
+            key = (s.pid, s.tid, name)
+            # The writer splits a slice that must end inside a later one into two
+            # adjacent slices; the second part is not a new call.
+            continued = self._enqueue_end.get(key) == s.begin
+            self._enqueue_end[key] = s.end
+            if not continued:
+                self._arrivals[(s.pid, kind)].append(s.begin)
+        elif name.startswith("MPI_"):
+            kind = name[4:]
+            if kind not in EXCHANGE_KINDS:
+                return
+            pending = self._communicate.pop((s.pid, s.tid), ())
+            inside = [c for c in pending if c.begin >= s.begin and c.end <= s.end]
+            ex = self._exchanges.get((s.pid, kind))
+            if ex is None:
+                ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"))
+            if inside:
+                first, final = inside[0], inside[-1]
+                ex.send.append(first.begin)
+                ex.send_end.append(first.end)
+                ex.recv_begin.append(final.begin)
+                ex.recv.append(final.end if final.finished else NAN)
+            else:
+                for column in ex[:4]:
+                    column.append(NAN)
+            ex.tid.append(s.tid)
+
+    def finish(self, process_name):
+        """Key the records by operation name (pids differ between agents)."""
+        for (pid, kind), arr in self._arrivals.items():
+            self.arrivals[(process_name(pid), kind)] = arr
+        for (pid, kind), ex in self._exchanges.items():
+            self.exchanges[(process_name(pid), kind)] = ex
+            self.pids[process_name(pid)] = pid
+        self._arrivals = self._exchanges = self._communicate = self._enqueue_end = None
+        return self

@@ -1,0 +1,180 @@
+"""bftimeline summary: where each agent's time went, how much communication
+overlapped computation, and which agent made the others wait.
+
+Times are lengths of unions (a phase running on two rows at once counts once):
+- compute: FORWARD, BACKWARD (and any extra activity names given as compute);
+- communication: the MPI_<OP> slices (the communication thread working on an
+  operation), and each of their sub-phases separately;
+- idle: the agent's recorded window (first to last timestamp) minus the union
+  of all its slices: no activity of any kind recorded.
+Overlap = |communication ∩ compute| / |communication|.
+
+Stragglers: for the k-th call of each named two-sided operation, the agents'
+ENQUEUE_ begins on rank 0's clock; the last one is that call's straggler, and
+it held the call up by its lead over the second-to-last agent. The ranking
+orders the agents by the total time they held calls up.
+"""
+import collections
+from array import array
+
+import numpy as np
+
+from . import _intervals
+from ._agents import find_agents
+from ._exchanges import EXCHANGE_KINDS, AgentExchanges
+from ._reader import iter_events
+from ._slices import SliceReader
+
+COMPUTE = ("FORWARD", "BACKWARD")
+PHASES = ("NEGOTIATION", "ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "MEMCPY_IN_FUSION_BUFFER",
+          "MEMCPY_OUT_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE", "ACQUIRE_MUTEX")
+COMMUNICATION = "communication"
+_OTHER = "other"
+
+
+def summarize(prefix, compute=()):
+    """The summary of a run as a dict (what --json writes)."""
+    compute = tuple(dict.fromkeys(COMPUTE + tuple(compute)))
+    agents, arrivals = [], {}
+    for agent in find_agents(prefix):
+        row, arrivals[agent.rank] = _agent_summary(agent, compute)
+        agents.append(row)
+    return {"prefix": prefix, "agents": agents, "compute": list(compute),
+            "phases": [p for p in PHASES if any(p in a["time_ms"] for a in agents)],
+            "stragglers": stragglers(arrivals)}
+
+
+def _agent_summary(agent, compute):
+    """One pass over the file: per-category intervals (about one file's slices), op records."""
+    reader = SliceReader(iter_events(agent.path), agent.offset_us)
+    records = AgentExchanges()
+    category = {}
+    spans = collections.defaultdict(lambda: (array("d"), array("d")))
+    for s in reader:
+        records.add(s)
+        cat = category.get(s.name)
+        if cat is None:
+            cat = category[s.name] = _category(s.name, compute)
+        b, e = spans[cat]
+        b.append(s.begin)
+        e.append(s.end)
+    unions = {cat: _intervals.union(*spans.pop(cat)) for cat in list(spans)}
+    busy = _intervals.union(np.concatenate([u[0] for u in unions.values()] or [[]]),
+                            np.concatenate([u[1] for u in unions.values()] or [[]]))
+    compute_parts = [unions[c] for c in compute if c in unions]
+    compute_union = _intervals.union(np.concatenate([u[0] for u in compute_parts] or [[]]),
+                                     np.concatenate([u[1] for u in compute_parts] or [[]]))
+    comm = unions.get(COMMUNICATION)
+    window = reader.last - reader.first if reader.last >= reader.first else 0.0
+    time_ms = {cat: _intervals.length(u) / 1000.0 for cat, u in unions.items() if cat != _OTHER}
+    comm_us = _intervals.length(comm) if comm is not None else 0.0
+    overlap = 100.0 * _intervals.overlap(comm, compute_union) / comm_us if comm_us > 0 else None
+    rtt = agent.meta.get("clock_offset_rtt_us")
+    row = {"rank": agent.rank, "hostname": agent.hostname, "clock_offset_us": agent.offset_us,
+           "clock_error_us": rtt / 2.0 if isinstance(rtt, (int, float)) else None,
+           "window_ms": window / 1000.0, "time_ms": time_ms,
+           "idle_ms": (window - _intervals.length(busy)) / 1000.0,
+           "overlap_percent": overlap, "unfinished_slices": reader.unfinished}
+    return row, records.finish(reader.process_name).arrivals
+
+
+def _category(name, compute):
+    if name in compute or name in PHASES:
+        return name
+    if name.startswith("MPI_"):
+        return COMMUNICATION
+    return _OTHER
+
+
+def stragglers(arrivals):
+    """Straggler ranking from {rank: {(op name, kind): ENQUEUE begins by occurrence}}."""
+    ops = []
+    total_last = collections.Counter()
+    total_held = collections.Counter()
+    total_calls = collections.Counter()
+    for key in sorted({k for per_agent in arrivals.values() for k in per_agent}):
+        if key[1] not in EXCHANGE_KINDS:
+            continue
+        last, held, calls = collections.Counter(), collections.Counter(), 0
+        columns = {r: per_agent[key] for r, per_agent in arrivals.items() if key in per_agent}
+        for k in range(max(len(c) for c in columns.values())):
+            called = sorted((c[k], r) for r, c in columns.items() if k < len(c))
+            if len(called) < 2:
+                continue
+            calls += 1
+            (t2, _), (t1, r_last) = called[-2], called[-1]
+            last[r_last] += 1
+            held[r_last] += t1 - t2
+            for _, r in called:
+                total_calls[r] += 1
+        if calls == 0:
+            continue
+        total_last.update(last)
+        total_held.update(held)
+        ops.append({"name": key[0], "kind": key[1], "calls": calls,
+                    "last": [{"rank": r, "times": n, "held_up_ms": held[r] / 1000.0}
+                             for r, n in sorted(last.items(), key=lambda x: (-x[1], -held[x[0]], x[0]))]})
+    ranking = [{"rank": r, "times_last": total_last[r], "calls": total_calls[r],
+                "held_up_ms": total_held[r] / 1000.0}
+               for r in sorted(total_calls, key=lambda r: (-total_held[r], -total_last[r], r))]
+    return {"operations": ops, "ranking": ranking}
+
+
+# ---- the table ------------------------------------------------------------------
+
+def format_summary(summary):
+    """The summary as readable text."""
+    agents = summary["agents"]
+    lines = [f"bftimeline summary of {summary['prefix']}<rank>.json: {len(agents)} agents, "
+             "times in ms on rank 0's clock"]
+    columns = ([(c, c) for c in summary["compute"] if any(c in a["time_ms"] for a in agents)]
+               + [(COMMUNICATION, "comm (MPI_*)")] + [(p, p) for p in summary["phases"]])
+    headers = ["agent", "host", "clock ±us", "window"] + [label for _, label in columns] + ["idle", "overlap %"]
+    rows = []
+    for a in agents:
+        overlap = "-" if a["overlap_percent"] is None else f"{a['overlap_percent']:.1f}"
+        clock = "-" if a["clock_error_us"] is None else f"{a['clock_error_us']:.0f}"
+        rows.append([str(a["rank"]), a["hostname"], clock, f"{a['window_ms']:.3f}"]
+                    + [f"{a['time_ms'].get(c, 0.0):.3f}" for c, _ in columns]
+                    + [f"{a['idle_ms']:.3f}", overlap])
+    lines += _table(headers, rows)
+    unfinished = [f"rank {a['rank']} ({a['unfinished_slices']})" for a in agents if a["unfinished_slices"]]
+    if unfinished:
+        lines.append("slices never ended (crashed or killed agent; counted up to the file's last "
+                     "timestamp): " + ", ".join(unfinished))
+    lines.append("clock ±us: at most this far off rank 0's clock (half the round trip of the offset "
+                 "measurement at init)")
+    lines.append("overlap % = time when communication (MPI_*) and compute (" + ", ".join(summary["compute"])
+                 + ") ran at once / communication time")
+    lines += [""] + _format_stragglers(summary["stragglers"])
+    return "\n".join(lines) + "\n"
+
+
+def _format_stragglers(st):
+    if not st["operations"]:
+        return ["stragglers: no operation was called by two or more agents"]
+    lines = ["stragglers: the agent that called each operation last (ENQUEUE_ begin); "
+             "held up = its lead over the second-to-last agent"]
+    rows = []
+    for op in st["operations"]:
+        top = op["last"][0]
+        others = ", ".join(f"{x['rank']}:{x['times']}" for x in op["last"][1:])
+        rows.append([op["name"], op["kind"], str(op["calls"]), f"rank {top['rank']}",
+                     f"{top['times']} ({100.0 * top['times'] / op['calls']:.0f}%)",
+                     f"{top['held_up_ms']:.3f}", others or "-"])
+    lines += _table(["operation", "kind", "calls", "last most often", "times", "held up ms",
+                     "others last (rank:times)"], rows)
+    lines += ["", "straggler ranking over all operations (by the total time each agent held calls up):"]
+    rows = [[f"rank {x['rank']}", f"{x['times_last']} of {x['calls']}",
+             f"{100.0 * x['times_last'] / x['calls']:.1f}" if x["calls"] else "-", f"{x['held_up_ms']:.3f}"]
+            for x in st["ranking"]]
+    lines += _table(["agent", "last", "last %", "held up ms"], rows)
+    return lines
+
+
+def _table(headers, rows):
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return [line(headers)] + [line(r) for r in rows]

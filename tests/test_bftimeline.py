@@ -1,0 +1,444 @@
+"""bftimeline (SPEC section 6, beyond): merge, summary and plot of all agents' files.
+
+Synthetic traces, written in the writer's layout with hand-computed answers
+(exactly 50 % overlap, a 3 ms clock offset, a known straggler, a crashed
+agent), and one real 4-agent run through the command line.
+"""
+import collections
+import configparser
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from bluefog_lite.timeline import _reader
+from bluefog_lite.timeline.__main__ import main
+from bluefog_lite.timeline._reader import iter_events, metadata, read_events, read_spans
+from mpi_helpers import REPO, run_agents
+
+THREAD_TIDS = {"main": 1, "communication": 2}
+
+
+# ---- writing synthetic agent files -------------------------------------------------
+
+def write_agent(path, rank, size, slices, offset_us=0.0, rtt_us=2.0, instants=(), crashed=False, host="h"):
+    """An agent file as the writer lays it out. slices: (tensor, thread, activity,
+    begin, end) in µs on the agent's own clock; end None leaves the slice open
+    (crashed=True then also leaves the array unterminated with a cut last line)."""
+    pids, lines = {}, ["[\n"]
+    meta = {"rank": rank, "size": size, "hostname": host, "clock_offset_us": offset_us,
+            "clock_offset_rtt_us": rtt_us, "clock_offset_measured": True}
+    lines.append(json.dumps({"name": "bluefog_metadata", "ph": "M", "pid": 0, "tid": 0, "args": meta}) + ",\n")
+    timed = []
+    for tensor, thread, activity, begin, end in slices:
+        pid = pids.setdefault(tensor, len(pids) + 1)
+        tid = THREAD_TIDS[thread]
+        timed.append(((begin, 1, -(end if end is not None else 1e18)), activity, "B", pid, tid))
+        if end is not None:
+            timed.append(((end, 0, -begin), activity, "E", pid, tid))
+    for tensor, thread, activity, ts in instants:
+        pid = pids.setdefault(tensor, len(pids) + 1)
+        timed.append(((ts, 2, 0), activity, "i", pid, THREAD_TIDS[thread]))
+    for tensor, pid in pids.items():
+        lines.append(json.dumps({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                                 "args": {"name": tensor}}) + ",\n")
+        for thread, tid in THREAD_TIDS.items():
+            lines.append(json.dumps({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                                     "args": {"name": thread}}) + ",\n")
+    for (ts, _, _), activity, ph, pid, tid in sorted(timed, key=lambda t: t[0]):
+        extra = '"s":"t",' if ph == "i" else ""
+        lines.append(f'{{"name":"{activity}","ph":"{ph}",{extra}"ts":{ts:.3f},"pid":{pid},"tid":{tid}}},\n')
+    if crashed:
+        lines.append('{"name":"COMPUTE_AVERAGE","ph":"B","ts":99')        # cut by the kill
+    else:
+        lines.append('{"name":"bluefog_end","ph":"M","pid":0,"tid":0,"args":{"clean_shutdown":true}}\n]\n')
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def op_call(tensor, kind, enqueue, mpi, communicate):
+    """The slices of one operation call: ENQUEUE_ on main, MPI_ with one COMMUNICATE on communication."""
+    return [(tensor, "main", "ENQUEUE_" + kind, *enqueue), (tensor, "communication", "MPI_" + kind, *mpi),
+            (tensor, "communication", "COMMUNICATE", *communicate)]
+
+
+def cli(args, capsys):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---- reading the merged trace back ----------------------------------------------------
+
+def innermost_slice(spans, pid, tid, ts):
+    inside = [s for s in spans if s.pid == pid and s.tid == tid and s.begin <= ts <= s.end]
+    return max(inside, key=lambda s: s.begin) if inside else None
+
+
+def check_flows(events):
+    """Every arrow has one start and one finish, each inside a COMMUNICATE slice;
+    returns [(from pid, to pid, s event, f event)]."""
+    spans = read_spans(events)          # also checks nesting on every (pid, tid) row
+    ends = collections.defaultdict(dict)
+    for ev in events:
+        if ev.get("ph") in ("s", "f"):
+            assert ev["ph"] not in ends[ev["id"]], f"flow id {ev['id']} used twice: {ev}"
+            ends[ev["id"]][ev["ph"]] = ev
+    arrows = []
+    for flow_id, pair in ends.items():
+        assert set(pair) == {"s", "f"}, f"flow {flow_id} is not paired: {pair}"
+        s, f = pair["s"], pair["f"]
+        assert s["cat"] == f["cat"] and s["name"] == f["name"] and f.get("bp") == "e"
+        for ev in (s, f):
+            where = innermost_slice(spans, ev["pid"], ev["tid"], ev["ts"])
+            assert where is not None and where.name == "COMMUNICATE", f"arrow end not in COMMUNICATE: {ev}"
+        arrows.append((s["pid"], f["pid"], s, f))
+    return arrows
+
+
+def process_names(events):
+    return {ev["pid"]: ev["args"]["name"] for ev in events if ev.get("name") == "process_name"}
+
+
+# ---- summary: overlap, totals, idle -----------------------------------------------------
+
+def overlap_trace(folder):
+    """One agent. Communication (MPI_) [1000,1400] and [2200,2600]; compute FORWARD
+    [1200,1600], BACKWARD on two rows [2000,2300] and [2100,2400] (one union
+    [2000,2400]); overlap [1200,1400] + [2200,2400] = 400 of 800 µs: exactly 50 %.
+    A user span COMPUTE_GRADIENT [2500,2700] overlaps communication by 100 µs.
+    Window [1000,3000] (an instant at 3000); busy [1000,1600] + [2000,2700]."""
+    prefix = str(folder / "tl_")
+    slices = [("w", "main", "ENQUEUE_NEIGHBOR_ALLREDUCE", 1000, 1420),
+              ("w", "communication", "MPI_NEIGHBOR_ALLREDUCE", 1000, 1400),
+              ("w", "communication", "ALLOCATE_OUTPUT", 1000, 1100),
+              ("w", "communication", "COMMUNICATE", 1100, 1300),
+              ("w", "communication", "COMPUTE_AVERAGE", 1300, 1400),
+              ("v", "main", "FORWARD", 1200, 1600),
+              ("a", "main", "BACKWARD", 2000, 2300),
+              ("b", "main", "BACKWARD", 2100, 2400),
+              ("a", "communication", "MPI_ALLREDUCE", 2200, 2600),
+              ("a", "communication", "COMMUNICATE", 2250, 2550),
+              ("g", "main", "COMPUTE_GRADIENT", 2500, 2700)]
+    write_agent(prefix + "0.json", 0, 1, slices, instants=[("cycle", "communication", "CYCLE_START", 3000)])
+    return prefix
+
+
+def test_summary_totals_idle_and_exactly_half_overlap(tmp_path, capsys):
+    prefix = overlap_trace(tmp_path)
+    code, out, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    agent, = load_json(tmp_path / "s.json")["agents"]
+    expected_ms = {"FORWARD": 0.4, "BACKWARD": 0.4, "communication": 0.8, "COMMUNICATE": 0.5,
+                   "ALLOCATE_OUTPUT": 0.1, "COMPUTE_AVERAGE": 0.1}
+    assert agent["time_ms"] == pytest.approx(expected_ms)
+    assert agent["window_ms"] == pytest.approx(2.0)
+    assert agent["idle_ms"] == pytest.approx(2.0 - 0.6 - 0.7)
+    assert agent["overlap_percent"] == pytest.approx(50.0)
+    row = next(line for line in out.splitlines() if line.startswith("0 "))
+    assert row.split()[-1] == "50.0" and "0.400" in row
+
+
+def test_summary_counts_extra_compute_activities(tmp_path, capsys):
+    prefix = overlap_trace(tmp_path)
+    code, _, _ = cli(["summary", prefix, "--compute", "COMPUTE_GRADIENT", "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    agent, = load_json(tmp_path / "s.json")["agents"]
+    assert agent["overlap_percent"] == pytest.approx(100.0 * 500 / 800)
+    assert agent["time_ms"]["COMPUTE_GRADIENT"] == pytest.approx(0.2)
+
+
+# ---- clocks: a known 3 ms offset ----------------------------------------------------------
+
+def offset_run(folder):
+    """Two agents, one neighbor_allreduce "x". Agent 1's clock reads 3 ms less than
+    rank 0's (clock_offset_us = +3000: add it to get rank 0's time). On rank 0's
+    clock agent 0 calls at 10000, agent 1 at 10500: agent 1 is the straggler,
+    although its own timestamps (7500) are earlier."""
+    prefix = str(folder / "tl_")
+    write_agent(prefix + "0.json", 0, 2, op_call("x", "NEIGHBOR_ALLREDUCE", (10000, 10900), (10050, 10850),
+                                                 (10100, 10800)))
+    shift = -3000.0
+    write_agent(prefix + "1.json", 1, 2, op_call("x", "NEIGHBOR_ALLREDUCE", (10500 + shift, 11000 + shift),
+                                                 (10550 + shift, 10950 + shift), (10600 + shift, 10700 + shift)),
+                offset_us=3000.0)
+    return prefix
+
+
+def test_merge_aligns_clocks_with_the_recorded_offset(tmp_path, capsys):
+    prefix = offset_run(tmp_path)
+    out = tmp_path / "merged.json"
+    code, _, _ = cli(["merge", prefix, "-o", out], capsys)
+    assert code == 0
+    events = load_json(out)
+    names = process_names(events)
+    assert names == {1: "rank 0 (h)", 2: "rank 1 (h)"}
+    spans = read_spans(events)
+    comm = {(s.pid, s.name): (s.begin, s.end) for s in spans}
+    assert comm[(2, "COMMUNICATE")] == (10600.0, 10700.0)
+    assert comm[(2, "ENQUEUE_NEIGHBOR_ALLREDUCE")] == (10500.0, 11000.0)
+    assert comm[(1, "COMMUNICATE")] == (10100.0, 10800.0)
+    arrows = {(a, b): (s["ts"], f["ts"]) for a, b, s, f in check_flows(events)}
+    # from the begin of the sender's COMMUNICATE to the end of the receiver's (0.5 µs inside)
+    assert arrows == {(1, 2): (10100.5, 10699.5), (2, 1): (10600.5, 10799.5)}
+
+
+def test_straggler_uses_the_corrected_clock(tmp_path, capsys):
+    prefix = offset_run(tmp_path)
+    code, _, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    st = load_json(tmp_path / "s.json")["stragglers"]
+    assert st["operations"] == [{"name": "x", "kind": "NEIGHBOR_ALLREDUCE", "calls": 1,
+                                 "last": [{"rank": 1, "times": 1, "held_up_ms": pytest.approx(0.5)}]}]
+    assert [(x["rank"], x["times_last"]) for x in st["ranking"]] == [(1, 1), (0, 0)]
+
+
+# ---- a known straggler ---------------------------------------------------------------------
+
+def straggler_run(folder):
+    """Four agents, clocks offset by -700*r µs. "x" (neighbor_allreduce) is called
+    6 times: in calls 0-4 agent 2 comes 2000 µs after the first agent and 1700 µs
+    after the next-to-last (agent 3, +300); in call 5 agent 3 comes last (+1300,
+    1100 after agent 2). "g" (allreduce) twice, agent 0 last by 300 µs."""
+    prefix = str(folder / "tl_")
+    late = {k: {0: 0, 1: 100, 2: 2000, 3: 300} for k in range(5)}
+    late[5] = {0: 0, 1: 100, 2: 200, 3: 1300}
+    for r in range(4):
+        slices = []
+        for k in range(6):
+            t = 10000.0 * (k + 1)
+            a = t + late[k][r]
+            slices += op_call("x", "NEIGHBOR_ALLREDUCE", (a, t + 5000), (a + 10, t + 4900), (a + 20, t + 4800))
+        for k in range(2):
+            t = 100000.0 + 10000.0 * k
+            a = t + {0: 500, 1: 0, 2: 100, 3: 200}[r]
+            slices += op_call("g", "ALLREDUCE", (a, t + 5000), (a + 10, t + 4900), (a + 20, t + 4800))
+        write_agent(f"{prefix}{r}.json", r, 4, [(n, th, act, b + 700.0 * r, e + 700.0 * r)
+                                                for n, th, act, b, e in slices], offset_us=-700.0 * r)
+    return prefix
+
+
+def test_known_straggler_is_ranked_first(tmp_path, capsys):
+    prefix = straggler_run(tmp_path)
+    code, out, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    st = load_json(tmp_path / "s.json")["stragglers"]
+    ops = {op["name"]: op for op in st["operations"]}
+    assert ops["x"]["calls"] == 6 and ops["g"]["calls"] == 2
+    assert ops["x"]["last"] == [{"rank": 2, "times": 5, "held_up_ms": pytest.approx(5 * 1.7)},
+                                {"rank": 3, "times": 1, "held_up_ms": pytest.approx(1.1)}]
+    assert ops["g"]["last"] == [{"rank": 0, "times": 2, "held_up_ms": pytest.approx(0.6)}]
+    # ranked by the time held up: rank 2 8.5 ms, rank 3 1.1 ms, rank 0 0.6 ms, rank 1 never last
+    assert [(x["rank"], x["times_last"], x["calls"]) for x in st["ranking"]] == \
+        [(2, 5, 8), (3, 1, 8), (0, 2, 8), (1, 0, 8)]
+    assert [x["held_up_ms"] for x in st["ranking"]] == pytest.approx([8.5, 1.1, 0.6, 0.0])
+    ranking = out[out.index("straggler ranking"):].splitlines()
+    assert ranking[2].split()[:4] == ["rank", "2", "5", "of"]
+
+
+def test_merge_flows_follow_a_given_topology(tmp_path, capsys):
+    prefix = straggler_run(tmp_path)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "all.json"], capsys)
+    assert code == 0
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "ring.json", "--topology", "RingGraph"], capsys)
+    assert code == 0
+    every_pair = {(u, v) for u in range(4) for v in range(4) if u != v}
+    ring = {(r, (r + 1) % 4) for r in range(4)} | {(r, (r - 1) % 4) for r in range(4)}
+    for name, x_pairs in (("all.json", every_pair), ("ring.json", ring)):
+        arrows = check_flows(load_json(tmp_path / name))
+        by_op = collections.defaultdict(collections.Counter)
+        for u, v, s, _ in arrows:
+            by_op[s["name"]][(u - 1, v - 1)] += 1
+        assert by_op["x"] == {pair: 6 for pair in x_pairs}, name
+        assert by_op["g"] == {pair: 2 for pair in every_pair}, name     # a collective reaches everyone
+
+
+# ---- crashed agents ---------------------------------------------------------------------------
+
+def crashed_run(folder):
+    """Agent 1 was killed during its second call of "x": ENQUEUE_, MPI_ and
+    COMMUNICATE never ended, the array is unterminated and its last line cut. Its
+    last complete event is the end of a FORWARD at 20500."""
+    prefix = str(folder / "tl_")
+    first = op_call("x", "NEIGHBOR_ALLREDUCE", (10000, 10900), (10050, 10850), (10100, 10800))
+    write_agent(prefix + "0.json", 0, 2, first + op_call("x", "NEIGHBOR_ALLREDUCE", (20000, 20900),
+                                                         (20050, 20850), (20100, 20800)))
+    write_agent(prefix + "1.json", 1, 2, first + op_call("x", "NEIGHBOR_ALLREDUCE", (20000, None), (20050, None),
+                                                         (20100, None)) + [("v", "main", "FORWARD", 20200, 20500)],
+                crashed=True)
+    return prefix
+
+
+def test_streaming_reader_accepts_a_crashed_file(tmp_path):
+    prefix = crashed_run(tmp_path)
+    path = prefix + "1.json"
+    events = list(iter_events(path))
+    assert events == read_events(path)
+    assert events[-1] == {"name": "FORWARD", "ph": "E", "ts": 20500.0, "pid": 2, "tid": 1}
+
+
+def test_merge_and_summary_of_a_crashed_run(tmp_path, capsys):
+    prefix = crashed_run(tmp_path)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    events = load_json(tmp_path / "m.json")
+    spans = read_spans(events)               # complete: the open slices were ended
+    unfinished = sorted((s.name, s.begin, s.end) for s in spans if s.pid == 2 and s.begin >= 20000 and
+                        s.name != "FORWARD")
+    assert unfinished == [("COMMUNICATE", 20100, 20500), ("ENQUEUE_NEIGHBOR_ALLREDUCE", 20000, 20500),
+                          ("MPI_NEIGHBOR_ALLREDUCE", 20050, 20500)]
+    arrows = sorted((u, v, s["args"]["occurrence"]) for u, v, s, _ in check_flows(events))
+    # agent 1 never received in call 1: no arrow ends there; its send still starts one
+    assert arrows == [(1, 2, 0), (2, 1, 0), (2, 1, 1)]
+    code, out, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    agents = load_json(tmp_path / "s.json")["agents"]
+    assert agents[1]["unfinished_slices"] == 3
+    assert agents[1]["time_ms"]["COMMUNICATE"] == pytest.approx((700 + 400) / 1000.0)
+    assert "never ended" in out
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+def test_missing_files_are_a_clear_error(tmp_path, capsys):
+    code, _, err = cli(["summary", tmp_path / "nothing_"], capsys)
+    assert code == 1 and "no timeline files" in err and "nothing_0.json" in err
+    write_agent(tmp_path / "tl_0.json", 0, 3, [])
+    write_agent(tmp_path / "tl_2.json", 2, 3, [])
+    code, _, err = cli(["merge", tmp_path / "tl_", "-o", tmp_path / "m.json"], capsys)
+    assert code == 1 and "missing" in err and "tl_1.json" in err
+
+
+@pytest.mark.parametrize("content", ['{"a": 1}', "hello, world\n", '[\n{"name":"x","ph":"B","ts":1,"pid":1,"tid":1},\n'])
+def test_a_file_that_is_not_a_timeline_is_a_clear_error(tmp_path, capsys, content):
+    (tmp_path / "tl_0.json").write_text(content)
+    code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
+    assert code == 1 and "tl_0.json" in err and "not a" in err
+
+
+def test_a_file_whose_rank_differs_from_its_name_is_refused(tmp_path, capsys):
+    write_agent(tmp_path / "tl_0.json", 1, 2, [])
+    code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
+    assert code == 1 and "records rank 1" in err
+
+
+def test_plot_without_matplotlib_names_the_install_command(tmp_path, capsys, monkeypatch):
+    prefix = overlap_trace(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # import matplotlib raises ImportError
+    code, _, err = cli(["plot", prefix, "-o", tmp_path / "p.png"], capsys)
+    assert code == 1 and "pip install matplotlib" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+# ---- the streaming reader on other layouts ------------------------------------------------------
+
+def test_streaming_reader_reads_other_json_layouts(tmp_path):
+    events = [{"name": "bluefog_metadata", "ph": "M", "pid": 0, "tid": 0, "args": {"rank": 0}},
+              {"name": "A", "ph": "B", "ts": 1.5, "pid": 1, "tid": 1, "args": {"k": "v"}},
+              {"name": "A\"q", "ph": "E", "ts": 2.0, "pid": 1, "tid": 1}]
+    layouts = {"indented.json": json.dumps(events, indent=2), "oneline.json": json.dumps(events),
+               "object.json": json.dumps({"traceEvents": events}),
+               "lines.json": "[\n" + "".join(json.dumps(e) + ",\n" for e in events) + "]\n"}
+    for name, text in layouts.items():
+        (tmp_path / name).write_text(text)
+        assert list(iter_events(tmp_path / name)) == events, name
+        assert _reader.read_metadata(tmp_path / name) == {"rank": 0}
+
+
+# ---- packaging --------------------------------------------------------------------------------------
+
+def test_setup_declares_the_command_and_matplotlib_for_tests():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, "setup.cfg"))
+    scripts = cfg["options.entry_points"]["console_scripts"].split("\n")
+    assert "bftimeline = bluefog_lite.timeline.__main__:main" in [s.strip() for s in scripts]
+    assert "bfrun = bluefog_lite.run:main" in [s.strip() for s in scripts]
+    assert "matplotlib" in cfg["options.extras_require"]["test"].split()
+
+
+# ---- a real 4-agent run through the command line -------------------------------------------------
+
+REAL_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bft")
+    prefix = str(folder / "tl_")
+    run_agents(4, "bft_train.py", REAL_STEPS, timeout=180, env={"BLUEFOG_TIMELINE": prefix})
+    return folder, prefix
+
+
+def _python_m(*args):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "bluefog_lite.timeline", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_real_run_merge_has_one_process_per_agent_and_paired_arrows(real_run):
+    folder, prefix = real_run
+    proc = _python_m("merge", prefix, "-o", folder / "merged.json", "--topology", "RingGraph")
+    assert proc.returncode == 0, proc.stderr
+    events = load_json(folder / "merged.json")
+    host = metadata(read_events(prefix + "0.json"))["hostname"]
+    assert process_names(events) == {r + 1: f"rank {r} ({host})" for r in range(4)}
+    arrows = check_flows(events)
+    ring = {(r, (r + 1) % 4) for r in range(4)} | {(r, (r - 1) % 4) for r in range(4)}
+    sync = collections.Counter((u - 1, v - 1) for u, v, s, _ in arrows if s["name"] == "sync")
+    assert sync == {pair: REAL_STEPS for pair in ring}
+    # on one clock, a receive ends after the neighbor's send began (within the offsets' error bound)
+    slack = sum(metadata(read_events(f"{prefix}{r}.json"))["clock_offset_rtt_us"] for r in range(4)) + 2.0
+    for _, _, s, f in arrows:
+        assert s["ts"] <= f["ts"] + slack, (s, f)
+
+
+def _union_length(intervals):
+    total, reach = 0.0, -float("inf")
+    for b, e in sorted(intervals):
+        if e > reach:
+            total += e - max(b, reach)
+            reach = e
+    return total
+
+
+def test_real_run_summary_matches_the_files_and_finds_the_slow_agent(real_run, capsys):
+    folder, prefix = real_run
+    code, out, err = cli(["summary", prefix, "--json", folder / "summary.json"], capsys)
+    assert code == 0, err
+    assert "straggler ranking" in out and "overlap %" in out
+    summary = load_json(folder / "summary.json")
+    assert [a["rank"] for a in summary["agents"]] == [0, 1, 2, 3]
+    for a in summary["agents"]:
+        spans = read_spans(read_events(f"{prefix}{a['rank']}.json"))
+        for activity in ("FORWARD", "BACKWARD", "COMMUNICATE"):
+            expected = _union_length([(s.begin, s.end) for s in spans if s.name == activity]) / 1000.0
+            assert expected > 0 and a["time_ms"][activity] == pytest.approx(expected, rel=1e-9)
+        assert 0.0 <= a["overlap_percent"] <= 100.0
+        assert a["idle_ms"] >= 0.0 and a["window_ms"] > a["time_ms"]["communication"]
+    ops = {op["name"]: op for op in summary["stragglers"]["operations"]}
+    assert ops["sync"]["calls"] == REAL_STEPS
+    assert ops["sync"]["last"][0]["rank"] == 3      # rank 3 sleeps 20 ms before every sync
+
+
+def test_real_run_plot_is_a_png_of_sane_size_with_the_phase_colors(real_run):
+    folder, prefix = real_run
+    out = folder / "timeline.png"
+    code = main(["plot", prefix, "-o", str(out)])
+    assert code == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width == 1400 and 300 <= height <= 1200 and len(data) > 20_000
+    import matplotlib.image
+    pixels = (matplotlib.image.imread(str(out))[:, :, :3] * 255).round().astype(int)
+    colors = {tuple(p) for p in pixels.reshape(-1, 3)}
+    for hex_color in ("#2171b5", "#6a51a3", "#e6550d"):   # FORWARD, BACKWARD, COMMUNICATE
+        assert tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5)) in colors
