@@ -227,7 +227,15 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
     def _grad_hook(self, name, group):
         def hook(p):
             if name in self._updated:
-                return   # gradient accumulated twice in one step: update once, in step()
+                # The first gradient has been applied and sent already: the sum of
+                # several passes cannot be, and silently dropping one would be wrong.
+                raise RuntimeError(
+                    f"parameter {name!r} received a second gradient before step(): "
+                    "DistributedAdaptThenCombineOptimizer updates and sends each parameter as soon as its "
+                    "gradient is ready, so it cannot accumulate gradients over several backward passes. "
+                    "Call step() after every backward pass (num_steps_per_communication=k gives local "
+                    "steps between communications), or use DistributedAdaptWithCombineOptimizer, which "
+                    "steps on the accumulated gradient")
             with torch.no_grad():
                 self._local_step(p, p.grad, group, self.optimizer.state[p])
             self._updated.add(name)

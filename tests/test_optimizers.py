@@ -56,3 +56,8 @@ def test_unsupported_optimizer_names_the_fix():
     opt = torch.optim.LBFGS([torch.zeros(1, requires_grad=True)])
     with pytest.raises(TypeError, match="register_step_function"):
         _local_steps.step_function_for(opt)
+
+
+def test_two_backward_passes_before_step():
+    """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass."""
+    run_agents(2, "opt_accumulate.py", timeout=120)
