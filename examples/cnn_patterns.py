@@ -85,7 +85,7 @@ def make_model():
 
 def wrap(name, optimizer, model):
     if name == "winput":
-        return bf.DistributedWinPutOptimizer(optimizer, model, window_prefix="cnn")
+        return bf.DistributedWinPutOptimizer(optimizer, model)
     wrapper = (bf.DistributedAdaptWithCombineOptimizer if name == "awc"
                else bf.DistributedAdaptThenCombineOptimizer)
     return wrapper(optimizer, model, bf.CommunicationType.neighbor_allreduce)

@@ -15,9 +15,10 @@ tracking, exact diffusion and push-DIGing examples, which are exact). The
 program prints the worst agent's distance to the centralized optimum, which
 it computes first with Newton's method on the gathered data.
 
-In a timeline (bfrun --timeline-filename tl_ ...) everything is on the row
-``w``: COMPUTE_GRADIENT on the main thread overlapping MPI_NEIGHBOR_ALLREDUCE
-(ALLOCATE_OUTPUT, COMMUNICATE, COMPUTE_AVERAGE) on the communication thread.
+In a timeline (bfrun --timeline-filename tl_ ...) the step is on the row
+``w``: COMPUTE_GRADIENT on the main thread, started while the step's
+MPI_NEIGHBOR_ALLREDUCE (ALLOCATE_OUTPUT, COMMUNICATE, COMPUTE_AVERAGE) runs
+on the communication thread.
 """
 import torch
 

@@ -24,9 +24,10 @@ allreduce after each round ("sync.w", "sync.q") makes every agent collect
 exactly one push per neighbor per round (a fast agent's next push cannot
 land before a slow agent's collect), which keeps the algorithm exact.
 
-The push of q runs on the communication thread while the main thread
-computes the gradient at the new w. In a timeline, row ``w`` shows
-COMPUTE_GRADIENT and row ``q`` its MPI_WIN_ACCUMULATE at the same time.
+The push of q is started before the gradient at the new w is computed, so
+the two can run at the same time. In a timeline compare COMPUTE_GRADIENT on
+row ``w`` (main thread) with MPI_WIN_ACCUMULATE on row ``q`` (communication
+thread); rows ``sync.w`` and ``sync.q`` hold the collectives that end rounds.
 """
 import torch
 

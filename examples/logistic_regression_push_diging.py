@@ -25,9 +25,10 @@ sum_j C_ij x_j. The graph is a directed ring plus edges from agent 0 to
 everyone: agent 0 sends to all, the others to one, and in-degrees differ,
 so C is not doubly stochastic. The agents still reach the exact optimum.
 
-The mixing of y is nonblocking and overlaps the gradient computation. In a
-timeline, rows ``u``, ``v`` and ``y`` each show MPI_NEIGHBOR_ALLREDUCE on the
-communication thread, and row ``x`` COMPUTE_GRADIENT on the main thread.
+The mixing of y is nonblocking and still in flight while the gradient is
+computed. In a timeline, rows ``u``, ``v`` and ``y`` each show
+MPI_NEIGHBOR_ALLREDUCE on the communication thread, and row ``x``
+COMPUTE_GRADIENT on the main thread.
 """
 import networkx as nx
 
