@@ -1,0 +1,495 @@
+"""Reliability (issue 7, SPEC section 10): misuse is reported, not hung on; one dead
+agent ends the job; nothing is silently wrong.
+
+One test per case of the issue. The bad-input cases share one 4-agent job
+(tests/workers/rel_cases.py runs each case on every agent and prints one line per
+case and agent); the cases that end a job get a job of their own. Every job must
+end within JOB_LIMIT_S.
+
+Deeper tests of some of these live with their subject and are not repeated here:
+numerics of every op (test_ops.py), set_topology agreement and refusal while ops
+are in flight (test_runtime.py), window errors in depth (test_windows.py), a
+timeline file that fails on one agent only (test_timeline.py), bfrun's argument
+parsing in-process (test_bfrun.py).
+"""
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from bluefog_lite.timeline._reader import metadata, read_events, read_spans
+from mpi_helpers import REPO, WORKERS, run_agents
+
+N = 4
+JOB_LIMIT_S = 30.0
+BFRUN = os.path.join(REPO, "bfrun")
+ENV = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+
+
+# ---- the shared bad-input job ---------------------------------------------------------
+
+class Outcomes:
+    """{case: {rank: outcome}} from the REL lines of rel_cases.py."""
+
+    def __init__(self, out):
+        self.out = out
+        self.cases = {}
+        for case, rank, outcome in re.findall(r"^REL (\S+) (\d+) (.*)$", out, re.M):
+            self.cases.setdefault(case, {})[int(rank)] = outcome
+
+    def of(self, case):
+        got = self.cases.get(case, {})
+        assert sorted(got) == list(range(N)), f"{case}: agents {sorted(got)} reported:\n{self.out[-3000:]}"
+        return got
+
+
+def seconds_since(pattern, out, end):
+    """end minus the latest wall time the agents printed with pattern (one group: the time).
+    Jobs are timed from a point the agents print, after their imports: on a loaded
+    2-core machine starting four Python interpreters with torch alone can take 20 s."""
+    stamps = [float(t) for t in re.findall(pattern, out)]
+    assert stamps, f"no {pattern!r} in:\n{out[-3000:]}"
+    return end - max(stamps)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    _, out = run_agents(N, "rel_cases.py", timeout=180, env={"BLUEFOG_OP_TIMEOUT_S": "20"})
+    elapsed = seconds_since(r"STARTED \d+ ([\d.]+)", out, time.time())
+    outcomes = Outcomes(out)
+    assert outcomes.of("done") == {r: "OK" for r in range(N)}
+    assert elapsed < JOB_LIMIT_S, f"the bad-input job took {elapsed:.1f} s"
+    return outcomes
+
+
+def raised(cases, case, exc, *words, ranks=range(N)):
+    """Every agent in ranks raised exc with a message containing every word."""
+    got = cases.of(case)
+    for r in ranks:
+        assert got[r].startswith(f"{exc}: "), f"{case} on rank {r}: {got[r]}"
+        for word in words:
+            assert word in got[r], f"{case} on rank {r}: {word!r} not in {got[r]}"
+    return got
+
+
+def worked(cases, prefix):
+    checked = [c for c in cases.cases if c.startswith(prefix)]
+    assert checked, f"no case {prefix}*"
+    for case in checked:
+        assert cases.of(case) == {r: "OK" for r in range(N)}, (case, cases.of(case))
+    return checked
+
+
+# ---- before init, after shutdown ------------------------------------------------------
+
+RUNTIME_CALLS = ["rank", "set_topology", "barrier", "allreduce", "broadcast", "allgather",
+                 "neighbor_allreduce", "neighbor_allgather", "hierarchical_neighbor_allreduce",
+                 "pair_gossip", "poll", "synchronize", "win_create", "win_put", "win_get", "win_update",
+                 "win_mutex", "win_free", "broadcast_parameters", "broadcast_optimizer_state",
+                 "InferSourceFromDestinationRanks", "timeline_start", "DistributedAdaptWithCombineOptimizer"]
+
+
+def test_every_operation_before_init_asks_for_init(cases):
+    for call in RUNTIME_CALLS:
+        raised(cases, f"before_init.{call}", "BluefogError", "not initialized", "bf.init()")
+    assert len([c for c in cases.cases if c.startswith("before_init.")]) >= len(RUNTIME_CALLS)
+
+
+def test_every_operation_after_shutdown_says_shut_down(cases):
+    for call in RUNTIME_CALLS:
+        raised(cases, f"after_shutdown.{call}", "BluefogError", "shut down", "bf.init() again")
+
+
+def test_init_with_a_bad_topology_fn_fails_on_every_agent(cases):
+    raised(cases, "init.topology_fn_wrong_size", "ValueError", "topology_fn", "nodes 0..3", "got 5 nodes")
+    raised(cases, "init.topology_fn_not_callable", "TypeError", "topology_fn must be a callable")
+    raised(cases, "init.topology_fn_differs", "ValueError", "different graphs on different agents")
+    raised(cases, "init.after_failed_init", "BluefogError", "not initialized")   # and init() works after
+
+
+# ---- tensors that differ between neighbors ---------------------------------------------------
+
+def test_neighbor_allreduce_shape_or_dtype_differing_between_neighbors(cases):
+    got = raised(cases, "mismatch.neighbor_allreduce.shape", "ValueError", "NEIGHBOR_ALLREDUCE 'mm.nar.shape'",
+                 "same shape and dtype")
+    for r in range(1, N):   # the others name rank 0 and what it sent
+        assert "rank 0 sent float32[5] but this agent has float32[4]" in got[r]
+    assert "but this agent has float32[5]" in got[0]
+    got = raised(cases, "mismatch.neighbor_allreduce.dtype", "ValueError", "same shape and dtype")
+    assert "rank 1 sent float64[4] but this agent has float32[4]" in got[0]
+
+
+def test_neighbor_allgather_dtype_or_trailing_shape_differing(cases):
+    got = raised(cases, "mismatch.neighbor_allgather.dtype", "ValueError", "NEIGHBOR_ALLGATHER",
+                 "agree on dtype")
+    assert "rank 2 sent int32[2, 3] but this agent has float32[2, 3]" in got[0]
+    got = raised(cases, "mismatch.neighbor_allgather.shape", "ValueError", "all dimensions but the first")
+    assert "rank 3 sent float32[2, 4]" in got[1]
+
+
+def test_allreduce_shape_or_dtype_differing_lists_every_agent(cases):
+    raised(cases, "mismatch.allreduce.shape", "ValueError", "agents passed different tensors",
+           "rank 0: float32[3], rank 1: float32[2]")
+    raised(cases, "mismatch.allreduce.dtype", "ValueError", "rank 3: int64[2]", "same shape and dtype")
+    assert cases.of("mismatch.still_works") == {r: "OK" for r in range(N)}
+
+
+def test_win_put_of_a_tensor_unlike_the_window(cases):
+    raised(cases, "mismatch.win_create", "ValueError", "agents passed different windows",
+           "rank 1: 'mm.win' float32[4]")
+    raised(cases, "mismatch.win_put", "ValueError", "does not match window 'w3'", "float32[4]", "float32[3]",
+           ranks=[1])
+    assert [cases.of("mismatch.win_put")[r] for r in (0, 2, 3)] == ["NONE"] * 3
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+def test_src_weights_naming_a_rank_that_is_not_an_in_neighbor(cases):
+    got = raised(cases, "weights.src_not_in_neighbor", "ValueError", "not in-neighbors", "dst_weights")
+    assert "names ranks [1] that are not in-neighbors [2, 3]" in got[0]
+
+
+def test_dst_weights_without_a_matching_receiver(cases):
+    raised(cases, "weights.dst_without_receiver", "ValueError", "do not match across agents",
+           "rank 0 sends to rank 1 but rank 1 does not receive from it")
+
+
+def test_nan_and_infinite_weights_are_refused(cases):
+    raised(cases, "weights.nan_self_weight", "ValueError", "self_weight must be finite")
+    raised(cases, "weights.nan_src_weight", "ValueError", "src_weights[", "must be finite")
+    raised(cases, "weights.inf_dst_weight", "ValueError", "dst_weights[", "must be finite, got inf")
+    raised(cases, "weights.nan_pair_weight", "ValueError", "pair_weight must be finite")
+    raised(cases, "weights.nan_graph_weight", "ValueError", "edge 0 -> 1 has weight nan", "is_weighted=True")
+    raised(cases, "weights.bool_weight", "TypeError", "self_weight must be a real number")
+
+
+def test_negative_weights_are_used_as_given(cases):
+    assert cases.of("weights.negative_used_as_given") == {r: "OK" for r in range(N)}
+
+
+def test_self_weight_without_src_weights(cases):
+    for case in ("weights.self_without_src", "weights.src_without_self", "weights.self_and_dst_without_src"):
+        raised(cases, case, "ValueError", "self_weight and src_weights must be given together")
+
+
+# ---- ranks out of range -------------------------------------------------------------------------
+
+def test_pair_gossip_target_out_of_range_or_self(cases):
+    raised(cases, "range.pair_gossip_target", "ValueError", "target_rank 4 is out of range", "ranks 0..3")
+    got = raised(cases, "range.pair_gossip_self", "ValueError", "this agent itself")
+    assert "target_rank 2 " in got[2]
+
+
+def test_broadcast_root_out_of_range_or_differing(cases):
+    raised(cases, "range.broadcast_root", "ValueError", "root_rank 4 is out of range")
+    raised(cases, "range.broadcast_root_negative", "ValueError", "root_rank -1 is out of range")
+    raised(cases, "range.broadcast_root_differs", "ValueError", "rank 0: root 0", "rank 1: root 1")
+
+
+def test_dst_weights_key_out_of_range(cases):
+    raised(cases, "range.dst_weights_key", "ValueError", "rank in dst_weights 5 is out of range")
+    raised(cases, "range.src_ranks_entry", "ValueError", "rank in src_ranks -1 is out of range")
+
+
+# ---- topology ------------------------------------------------------------------------------------
+
+def test_set_topology_with_a_graph_of_the_wrong_size_or_not_a_graph(cases):
+    raised(cases, "topology.wrong_size", "ValueError", "nodes 0..3", "got 5 nodes")
+    raised(cases, "topology.not_a_graph", "TypeError", "networkx.DiGraph", "got list")
+
+
+def test_set_topology_while_a_window_exists_is_refused(cases):
+    for outcome in cases.of("topology.while_window_exists").values():
+        assert outcome.startswith("returned False: set_topology refused: windows exist"), outcome
+
+
+# ---- windows by name ------------------------------------------------------------------------------
+
+def test_window_ops_on_an_unknown_window(cases):
+    ops = [c for c in cases.cases if c.startswith("window.unknown.")]
+    assert len(ops) == 8
+    for case in ops:
+        op = case.rsplit(".", 1)[1]
+        raised(cases, case, "ValueError", f"{op}: no window named 'nope'", "existing windows: ['known']")
+
+
+def test_win_create_twice_with_one_name(cases):
+    raised(cases, "window.create_twice", "ValueError", "already exists")
+    # only rank 2 passed a taken name: every agent gets the error naming rank 2
+    raised(cases, "window.create_twice_on_one_agent", "ValueError", "failed on every agent",
+           "rank 2: a window named 'known' already exists")
+
+
+def test_win_free_of_an_unknown_name(cases):
+    raised(cases, "window.free_unknown", "ValueError", "no window named 'nope'")
+    raised(cases, "window.free_unknown_on_one_agent", "ValueError", "rank 0: no window named 'nope'")
+    assert cases.of("window.names_after_errors") == {r: "names known" for r in range(N)}
+
+
+# ---- names and handles ---------------------------------------------------------------------------
+
+def test_the_same_name_twice_while_in_flight(cases):
+    for case, name in (("name.twice.neighbor_allreduce", "twice"), ("name.twice.other_kind", "twice"),
+                       ("name.twice.allreduce", "twice.ar")):
+        raised(cases, case, "ValueError", f"an operation named {name!r} is already in flight",
+               "synchronize it before reusing the name")
+    assert cases.of("name.reusable_after_synchronize") == {r: "OK" for r in range(N)}
+
+
+def test_a_handle_synchronized_twice(cases):
+    for case in ("handle.twice", "handle.poll_after_synchronize", "handle.win_wait_twice", "handle.unknown"):
+        raised(cases, case, "ValueError", "is unknown or was already synchronized")
+
+
+# ---- CUDA, non-contiguous, zero-element ------------------------------------------------------------
+
+def test_cuda_tensors_get_a_clear_error_without_cuda(cases):
+    # torch itself cannot make one here; a tensor reporting device cuda:0 stands in
+    raised(cases, "cuda.torch_without_cuda", "AssertionError", "not compiled with CUDA")
+    ops = [c for c in cases.cases if c.startswith("cuda.") and c not in ("cuda.torch_without_cuda",
+                                                                          "cuda.win_create")]
+    assert len(ops) == 10
+    for case in ops:
+        raised(cases, case, "TypeError", "on device cuda:0", "CPU tensors", ".cpu()")
+    raised(cases, "cuda.win_create", "TypeError", "dense CPU tensor", "on cuda:0")
+
+
+def test_non_contiguous_tensors_work(cases):
+    assert len(worked(cases, "works.noncontiguous.")) == 10
+
+
+def test_zero_element_and_zero_dim_tensors_work(cases):
+    assert len(worked(cases, "works.empty.")) == 10
+    assert len(worked(cases, "works.scalar.")) == 8
+
+
+# ---- jobs that must end ----------------------------------------------------------------------------
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class BfrunJob:
+    """bfrun -np 4 --timeline-filename PREFIX python rel_die.py MODE, in a new session;
+    its output is read in the background. Timed from when every agent runs (the
+    failure comes a second later)."""
+
+    def __init__(self, prefix, *worker_args):
+        cmd = [sys.executable, BFRUN, "-np", str(N), "--timeline-filename", prefix, sys.executable,
+               os.path.join(WORKERS, "rel_die.py"), *worker_args]
+        self.proc = subprocess.Popen(cmd, env=dict(os.environ, **ENV), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines, self.out = queue.Queue(), []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.pids = {}
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.out.append(line)
+            self.lines.put(line)
+
+    def wait_running(self, timeout=150):
+        deadline = time.monotonic() + timeout
+        while len(self.pids) < N and time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                m = re.match(r"RUNNING (\d+) (\d+)", self.lines.get(timeout=0.5))
+            except queue.Empty:
+                continue
+            if m:
+                self.pids[int(m.group(1))] = int(m.group(2))
+        self.running = time.monotonic()
+        return len(self.pids) == N
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def output(self):
+        time.sleep(0.2)
+        return "".join(self.out)
+
+    def cleanup(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)      # bfrun takes its launcher and ranks down
+            if self.wait(20) is None:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def bfrun_job(tmp_path):
+    jobs = []
+
+    def start(*worker_args):
+        jobs.append(BfrunJob(str(tmp_path / "tl_"), *worker_args))
+        return jobs[-1]
+    yield start
+    for job in jobs:
+        job.cleanup()
+
+
+def assert_everyone_gone_and_timelines_load(job, prefix):
+    assert job.pids and [r for r, pid in job.pids.items() if _alive(pid)] == [], job.pids
+    for r in range(N):
+        events = read_events(f"{prefix}{r}.json")
+        assert metadata(events)["rank"] == r
+        spans = read_spans(events, complete=False)     # raises if a viewer could not read it
+        assert any(s.name == "ITERATION" for s in spans), f"rank {r}: no ITERATION span"
+
+
+def test_an_exception_on_one_agent_ends_the_job(bfrun_job, tmp_path):
+    job = bfrun_job("raise")
+    assert job.wait_running(), job.output()
+    rc = job.wait(JOB_LIMIT_S - (time.monotonic() - job.running))
+    out = job.output()
+    assert rc is not None, f"the job did not end within {JOB_LIMIT_S} s:\n{out[-3000:]}"
+    assert rc != 0
+    assert "RuntimeError: deliberate failure on rank 2" in out
+    assert "uncaught exception on rank 2; aborting the job" in out
+    assert_everyone_gone_and_timelines_load(job, str(tmp_path / "tl_"))
+
+
+def test_one_agent_killed_with_sigkill_ends_the_job(bfrun_job, tmp_path):
+    job = bfrun_job("kill")
+    assert job.wait_running(), job.output()
+    rc = job.wait(JOB_LIMIT_S - (time.monotonic() - job.running))
+    out = job.output()
+    assert rc is not None, f"the job did not end within {JOB_LIMIT_S} s:\n{out[-3000:]}"
+    assert rc != 0 and "rank 1 was killed by signal SIGKILL" in out, out[-3000:]
+    assert_everyone_gone_and_timelines_load(job, str(tmp_path / "tl_"))
+
+
+def test_ctrl_c_to_bfrun_stops_every_agent(bfrun_job, tmp_path):
+    job = bfrun_job("loop")
+    assert job.wait_running(), job.output()
+    interrupted = time.monotonic()
+    job.proc.send_signal(signal.SIGINT)
+    rc = job.wait(JOB_LIMIT_S)
+    out = job.output()
+    assert rc is not None, f"bfrun did not end within {JOB_LIMIT_S} s of SIGINT:\n{out[-3000:]}"
+    assert rc == 128 + signal.SIGINT, out[-3000:]
+    assert time.monotonic() - interrupted < JOB_LIMIT_S
+    time.sleep(0.5)
+    assert_everyone_gone_and_timelines_load(job, str(tmp_path / "tl_"))
+
+
+def test_sys_exit_on_one_agent_while_others_wait_for_it_ends_the_job():
+    # plain mpiexec: the library itself, not bfrun's rank guard, must end the job
+    rc, out = run_agents(N, "rel_die.py", "exit", "3", timeout=180, expect_ok=False)
+    elapsed = seconds_since(r"calls sys.exit\(3\) after \d+ iterations at ([\d.]+)", out, time.time())
+    assert rc != 0 and "rank 2 calls sys.exit(3)" in out, out[-3000:]
+    # ranks 0 and 3 receive from rank 2 on the Exp-2 graph: they are the ones that can tell
+    waiting = set(re.findall(r"rank (\d): NEIGHBOR_ALLREDUCE 'x' waits for rank 2, which has left the job", out))
+    assert waiting and waiting <= {"0", "3"}, out[-3000:]
+    assert elapsed < JOB_LIMIT_S, f"took {elapsed:.1f} s"
+
+
+# ---- timeline prefix -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where, words", [
+    ("missing", ["does not exist"]),
+    ("unwritable", ["cannot write", "Permission denied"]),
+])
+def test_bad_timeline_prefix_fails_init_everywhere_before_any_work(where, words, tmp_path):
+    prefix = str(tmp_path / "no" / "such" / "dir" / "tl_") if where == "missing" else "/sys/bluefog_tl_"
+    rc, out = run_agents(N, "rel_init_fails.py", timeout=180, expect_ok=False, env={"BLUEFOG_TIMELINE": prefix})
+    elapsed = seconds_since(r"INIT AT ([\d.]+)", out, time.time())
+    assert rc != 0 and "PAST INIT" not in out, out[-3000:]
+    for r in range(N):
+        assert f"ValueError: timeline: cannot write '{prefix}{r}.json'" in out, (r, out[-3000:])
+    for word in words:
+        assert word in out
+    assert elapsed < JOB_LIMIT_S, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("where, words", [
+    ("missing", ["does not exist", "create it first"]),
+    ("unwritable", ["is not writable", "Permission denied"]),
+    ("file", ["is not a directory"]),
+])
+def test_bfrun_refuses_a_bad_timeline_prefix_before_starting_anything(where, words, tmp_path):
+    (tmp_path / "file").write_text("")
+    prefix = {"missing": str(tmp_path / "no" / "tl_"), "unwritable": "/sys/bluefog_tl_",
+              "file": str(tmp_path / "file" / "tl_")}[where]
+    rc, err, started = _bfrun_without_job(tmp_path, "-np", "2", "--timeline-filename", prefix)
+    assert rc == 2 and not started, err
+    assert "bfrun: error: --timeline-filename" in err
+    for word in words:
+        assert word in err, err
+
+
+# ---- bfrun arguments -------------------------------------------------------------------------------
+
+def _bfrun_without_job(tmp_path, *argv, env=None, python=sys.executable):
+    """Run bfrun with argv and a command that would leave a marker file; (rc, stderr, started)."""
+    marker = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"] if argv and argv[-1] != "--" else []
+    start = time.monotonic()
+    full_env = {k: v for k, v in os.environ.items() if k != "BLUEFOG_MPIEXEC"}
+    full_env.update(env or ENV)
+    proc = subprocess.run([python, BFRUN, *argv, *command], env=full_env, capture_output=True, text=True,
+                          timeout=60)
+    assert time.monotonic() - start < JOB_LIMIT_S
+    return proc.returncode, proc.stderr, marker.exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-np", "0"], ["-np", "must be a positive integer, got 0"]),
+    (["-np", "4", "--"], ["missing command"]),
+    (["--no-such-option", "-np", "2"], ["unrecognized arguments", "--no-such-option"]),
+])
+def test_bfrun_bad_arguments_exit_2_without_a_job(argv, words, tmp_path):
+    rc, err, started = _bfrun_without_job(tmp_path, *argv)
+    assert rc == 2 and not started, err
+    for word in words:
+        assert word in err, err
+
+
+def test_bfrun_without_an_mpi_launcher(tmp_path):
+    # an interpreter in a directory without mpiexec, and a PATH without one
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python3"
+    python.symlink_to(os.path.realpath(sys.executable))
+    env = dict(ENV, PATH=str(tmp_path / "bin"))
+    rc, err, started = _bfrun_without_job(tmp_path, "-np", "2", env=env, python=str(python))
+    assert rc == 2 and not started, err
+    assert "no MPI launcher found" in err and "pip install mpich" in err
+
+
+# ---- soak ------------------------------------------------------------------------------------------
+
+def test_soak_nothing_grows_and_nothing_drifts():
+    """examples/benchmarks/soak.py with 5,000 neighbor_allreduce and 2,000 window ops
+    per agent (the full 100,000 + 20,000 run is in docs/troubleshooting.md)."""
+    _, out = run_agents(N, os.path.join(REPO, "examples", "benchmarks", "soak.py"), "--nar", 5000,
+                        "--win", 2000, timeout=400)
+    samples = {}     # (rank, phase) -> [sample dicts in order]
+    for rank, fields in re.findall(r"^SOAK (\d) (phase=.*)$", out, re.M):
+        s = dict(kv.split("=") for kv in fields.split())
+        samples.setdefault((int(rank), s.pop("phase")), []).append({k: int(v) for k, v in s.items()})
+    for rank in range(N):
+        for phase, count in (("neighbor_allreduce", 5000), ("window", 2000)):
+            warm, *_, last = samples[(rank, phase)]      # post-warm-up, halfway, end
+            assert last["done"] == count
+            assert last["rss_kb"] <= 1.10 * warm["rss_kb"], (rank, phase, warm, last)
+            assert (last["os_threads"], last["py_threads"]) == (warm["os_threads"], warm["py_threads"])
+            assert last["handles"] == last["names"] == 0, (rank, phase, last)
+            assert last["window_handles"] <= warm["window_handles"], (rank, phase, warm, last)
+    summaries = re.findall(r"^SOAK SUMMARY \d: (.*)$", out, re.M)
+    assert sum("distance to the average" in s for s in summaries) == N, out[-3000:]
+    assert sum("accumulates per agent all counted" in s for s in summaries) == N, out[-3000:]

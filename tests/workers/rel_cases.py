@@ -1,0 +1,322 @@
+"""Bad input and edge cases on 4 agents in one job (tests/test_reliability.py).
+
+Each case runs on every agent inside try/except and prints one line per agent:
+``REL <case> <rank> <outcome>`` where outcome is ``<ExceptionType>: <message>``,
+``NONE`` (no exception) or, for the cases that must work, ``OK`` / ``WRONG <why>``
+(checked here against numpy). The test asserts the outcomes. Every agent makes
+the same sequence of calls, so a case that leaves an agent behind shows up as a
+hang (the outer timeout) or as a wrong outcome of the next case.
+"""
+import math
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+
+SIZE = int(os.environ["PMI_SIZE"])
+RANK = int(os.environ["PMI_RANK"])     # known before init (the launcher sets it)
+
+
+def report(case, outcome):
+    line = f"REL {case} {RANK} {outcome}".replace("\n", " | ")
+    os.write(1, (line + "\n").encode())
+
+
+def attempt(case, fn, *args, **kwargs):
+    """Run fn, report what it raised (or NONE); return its result or None."""
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:  # the outcome is the point
+        report(case, f"{type(exc).__name__}: {exc}")
+        return None
+    report(case, "NONE")
+    return result
+
+
+def check(case, fn):
+    """fn() returns None when the result is right, else what is wrong."""
+    try:
+        wrong = fn()
+    except Exception as exc:
+        wrong = f"raised {type(exc).__name__}: {exc}"
+    report(case, "OK" if wrong is None else f"WRONG {wrong}")
+
+
+def close(got, want, tol=1e-6):
+    got = got.numpy() if isinstance(got, torch.Tensor) else np.asarray(got)
+    want = np.asarray(want)
+    if got.shape != want.shape:
+        return f"shape {got.shape} != {want.shape}"
+    if not np.allclose(got, want, rtol=tol, atol=tol):
+        return f"values {got.ravel()[:6]} != {want.ravel()[:6]}"
+    return None
+
+
+def data(r, shape=(3, 4)):
+    return np.random.default_rng(10 + r).normal(size=shape)
+
+
+class FakeCudaTensor(torch.Tensor):
+    """What a CUDA tensor looks like to bluefog_lite (no GPU on test machines)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+T = torch.ones(4)
+MODEL = torch.nn.Linear(2, 1)
+OPT = torch.optim.SGD(MODEL.parameters(), lr=0.1)
+RUNTIME_CALLS = {   # every public call that needs the runtime, with valid-looking arguments
+    "rank": (bf.rank,), "size": (bf.size,), "local_rank": (bf.local_rank,),
+    "machine_size": (bf.machine_size,), "mpi_threads_supported": (bf.mpi_threads_supported,),
+    "set_topology": (bf.set_topology, topo.RingGraph(SIZE)), "load_topology": (bf.load_topology,),
+    "in_neighbor_ranks": (bf.in_neighbor_ranks,), "out_neighbor_ranks": (bf.out_neighbor_ranks,),
+    "barrier": (bf.barrier,), "allreduce": (bf.allreduce, T), "allreduce_": (bf.allreduce_, T),
+    "broadcast": (bf.broadcast, T, 0), "allgather": (bf.allgather, T),
+    "neighbor_allreduce": (bf.neighbor_allreduce, T), "neighbor_allgather": (bf.neighbor_allgather, T),
+    "hierarchical_neighbor_allreduce": (bf.hierarchical_neighbor_allreduce, T),
+    "pair_gossip": (bf.pair_gossip, T, (RANK + 1) % SIZE),
+    "neighbor_allreduce_nonblocking": (bf.neighbor_allreduce_nonblocking, T),
+    "poll": (bf.poll, 1), "synchronize": (bf.synchronize, 1),
+    "win_create": (bf.win_create, T, "w"), "win_free": (bf.win_free,), "win_put": (bf.win_put, T, "w"),
+    "win_accumulate": (bf.win_accumulate, T, "w"), "win_get": (bf.win_get, "w"),
+    "win_update": (bf.win_update, "w"), "win_mutex": (lambda: bf.win_mutex("w").__enter__(),),
+    "get_win_version": (bf.get_win_version, "w"),
+    "get_current_created_window_names": (bf.get_current_created_window_names,),
+    "broadcast_parameters": (bf.broadcast_parameters, MODEL.state_dict(), 0),
+    "broadcast_optimizer_state": (bf.broadcast_optimizer_state, OPT, 0),
+    "InferSourceFromDestinationRanks": (bf.InferSourceFromDestinationRanks, [(RANK + 1) % SIZE]),
+    "timeline_start": (bf.timeline_start, "/tmp/never_written_"),
+    "DistributedAdaptWithCombineOptimizer": (bf.DistributedAdaptWithCombineOptimizer, OPT, MODEL),
+}
+
+
+def runtime_calls(prefix):
+    for name, (fn, *args) in RUNTIME_CALLS.items():
+        attempt(f"{prefix}.{name}", fn, *args)
+
+
+# ---- before init ---------------------------------------------------------------------
+
+os.write(1, f"STARTED {RANK} {time.time()}\n".encode())    # imports done
+
+runtime_calls("before_init")
+attempt("init.topology_fn_wrong_size", bf.init, topology_fn=lambda n: topo.RingGraph(n + 1))
+attempt("init.topology_fn_not_callable", bf.init, topology_fn=topo.RingGraph(SIZE))
+attempt("init.topology_fn_differs", bf.init,
+        topology_fn=lambda n: topo.StarGraph(n) if RANK == 1 else topo.RingGraph(n))
+attempt("init.after_failed_init", bf.rank)
+bf.init()
+assert (bf.rank(), bf.size()) == (RANK, SIZE) and SIZE == 4
+IN, OUT = bf.in_neighbor_ranks(), bf.out_neighbor_ranks()     # Exp-2 on 4: r-1, r-2 / r+1, r+2
+NOT_IN = [r for r in range(SIZE) if r != RANK and r not in IN]
+X = torch.from_numpy(data(RANK))
+
+
+# ---- tensors that differ between neighbors (every agent receives from every other) ------
+
+assert bf.set_topology(topo.FullyConnectedGraph(SIZE))
+attempt("mismatch.neighbor_allreduce.shape", bf.neighbor_allreduce,
+        torch.ones(5 if RANK == 0 else 4), name="mm.nar.shape")
+attempt("mismatch.neighbor_allreduce.dtype", bf.neighbor_allreduce,
+        torch.ones(4, dtype=torch.float64 if RANK == 1 else torch.float32), name="mm.nar.dtype")
+attempt("mismatch.neighbor_allgather.dtype", bf.neighbor_allgather,
+        torch.ones(2, 3, dtype=torch.int32 if RANK == 2 else torch.float32), name="mm.nag.dtype")
+attempt("mismatch.neighbor_allgather.shape", bf.neighbor_allgather,
+        torch.ones(2, 4 if RANK == 3 else 3), name="mm.nag.shape")
+attempt("mismatch.allreduce.shape", bf.allreduce, torch.ones(3 if RANK == 0 else 2), name="mm.ar.shape")
+attempt("mismatch.allreduce.dtype", bf.allreduce,
+        torch.ones(2, dtype=torch.int64 if RANK == 3 else torch.float32), name="mm.ar.dtype")
+attempt("mismatch.win_create", bf.win_create, torch.zeros(3 + (RANK == 1)), "mm.win")
+bf.win_create(torch.zeros(3), "w3")
+attempt("mismatch.win_put", bf.win_put, torch.ones(4 if RANK == 1 else 3), "w3")
+bf.barrier()
+bf.win_free("w3")
+check("mismatch.still_works", lambda: close(bf.neighbor_allreduce(X, name="after.mismatch"),
+                                            np.mean([data(r) for r in range(SIZE)], axis=0)))
+assert bf.set_topology(topo.ExponentialGraph(SIZE))
+
+
+# ---- weights ----------------------------------------------------------------------------
+
+attempt("weights.src_not_in_neighbor", bf.neighbor_allreduce, X, self_weight=0.5,
+        src_weights={NOT_IN[0]: 0.5}, name="w.stray")
+attempt("weights.dst_without_receiver", bf.neighbor_allreduce, X, self_weight=1.0, src_weights={},
+        dst_weights=[(RANK + 1) % SIZE], name="w.unmatched")
+attempt("weights.nan_self_weight", bf.neighbor_allreduce, X, self_weight=float("nan"),
+        src_weights={IN[0]: 0.5}, name="w.nan")
+attempt("weights.nan_src_weight", bf.neighbor_allreduce, X, self_weight=0.5,
+        src_weights={IN[0]: float("nan")}, name="w.nan")
+attempt("weights.inf_dst_weight", bf.neighbor_allreduce, X, self_weight=0.5, src_weights={},
+        dst_weights={OUT[0]: math.inf}, name="w.inf")
+attempt("weights.nan_pair_weight", bf.pair_gossip, X, RANK ^ 1, self_weight=0.5, pair_weight=float("nan"))
+nan_graph = topo.RingGraph(SIZE)
+nan_graph[0][1]["weight"] = float("nan")
+attempt("weights.nan_graph_weight", bf.set_topology, nan_graph, is_weighted=True)
+attempt("weights.self_without_src", bf.neighbor_allreduce, X, self_weight=0.5, name="w.half")
+attempt("weights.src_without_self", bf.neighbor_allreduce, X, src_weights={IN[0]: 0.5}, name="w.half")
+attempt("weights.self_and_dst_without_src", bf.neighbor_allreduce, X, self_weight=0.5,
+        dst_weights=OUT, name="w.half")
+attempt("weights.bool_weight", bf.neighbor_allreduce, X, self_weight=True, src_weights={}, name="w.bool")
+srcw = {r: -0.25 * (k + 1) for k, r in enumerate(IN)}
+check("weights.negative_used_as_given", lambda: close(
+    bf.neighbor_allreduce(X, self_weight=1.75, src_weights=srcw, name="w.neg"),
+    1.75 * data(RANK) + sum(w * data(r) for r, w in srcw.items())))
+
+
+# ---- ranks out of range ---------------------------------------------------------------------
+
+attempt("range.pair_gossip_target", bf.pair_gossip, X, SIZE)
+attempt("range.pair_gossip_self", bf.pair_gossip, X, RANK)
+attempt("range.broadcast_root", bf.broadcast, X, SIZE)
+attempt("range.broadcast_root_negative", bf.broadcast_, X, -1)
+attempt("range.broadcast_root_differs", bf.broadcast, X, RANK % 2, name="root.differs")
+attempt("range.dst_weights_key", bf.neighbor_allreduce, X, self_weight=0.5, src_weights={},
+        dst_weights={SIZE + 1: 0.5})
+attempt("range.src_ranks_entry", bf.neighbor_allgather, X, src_ranks=[-1], dst_ranks=OUT)
+
+
+# ---- topology -----------------------------------------------------------------------------
+
+attempt("topology.wrong_size", bf.set_topology, topo.RingGraph(SIZE + 1))
+attempt("topology.not_a_graph", bf.set_topology, [[0, 1], [1, 0]])
+bf.win_create(torch.zeros(2), "frozen")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    refused = bf.set_topology(topo.RingGraph(SIZE))
+report("topology.while_window_exists",
+       f"returned {refused}: " + " | ".join(str(w.message) for w in caught))
+bf.win_free("frozen")
+
+
+# ---- windows by name -------------------------------------------------------------------------
+
+bf.win_create(torch.zeros(2), "known")
+for op_name, fn, args in (("win_put", bf.win_put, (torch.ones(2), "nope")),
+                          ("win_accumulate", bf.win_accumulate, (torch.ones(2), "nope")),
+                          ("win_get", bf.win_get, ("nope",)), ("win_update", bf.win_update, ("nope",)),
+                          ("win_update_then_collect", bf.win_update_then_collect, ("nope",)),
+                          ("win_mutex", lambda n: bf.win_mutex(n).__enter__(), ("nope",)),
+                          ("get_win_version", bf.get_win_version, ("nope",)),
+                          ("win_associated_p", bf.win_associated_p, ("nope",))):
+    attempt(f"window.unknown.{op_name}", fn, *args)
+attempt("window.create_twice", bf.win_create, torch.zeros(2), "known")
+attempt("window.create_twice_on_one_agent", bf.win_create, torch.zeros(2), "known" if RANK == 2 else "new")
+attempt("window.free_unknown", bf.win_free, "nope")
+attempt("window.free_unknown_on_one_agent", bf.win_free, "nope" if RANK == 0 else "known")
+report("window.names_after_errors", "names " + ",".join(bf.get_current_created_window_names()))
+bf.win_free()
+
+
+# ---- names and handles ---------------------------------------------------------------------------
+
+h = bf.neighbor_allreduce_nonblocking(X, name="twice")
+attempt("name.twice.neighbor_allreduce", bf.neighbor_allreduce_nonblocking, X, name="twice")
+attempt("name.twice.other_kind", bf.allreduce_nonblocking, X, name="twice")
+bf.synchronize(h)
+h = bf.allreduce_nonblocking(X, name="twice.ar")
+attempt("name.twice.allreduce", bf.allreduce_nonblocking, X, name="twice.ar")
+attempt("handle.twice", lambda: [bf.synchronize(h), bf.synchronize(h)])
+attempt("handle.poll_after_synchronize", bf.poll, h)
+attempt("handle.unknown", bf.wait, 10 ** 9)
+bf.win_create(torch.zeros(2), "hw")
+wh = bf.win_put_nonblocking(torch.ones(2), "hw")
+attempt("handle.win_wait_twice", lambda: [bf.win_wait(wh), bf.win_wait(wh)])
+bf.win_free("hw")
+check("name.reusable_after_synchronize", lambda: close(bf.allreduce(X, name="twice"),
+                                                       np.mean([data(r) for r in range(SIZE)], axis=0)))
+
+
+# ---- CUDA tensors (none here: a stand-in that reports device cuda:0) ------------------------------
+
+attempt("cuda.torch_without_cuda", torch.ones, 2, device="cuda")
+G = FakeCudaTensor(torch.ones(4))
+assert G.device.type == "cuda" and G.is_cuda
+for op_name, fn, args in (("neighbor_allreduce", bf.neighbor_allreduce, (G,)),
+                          ("neighbor_allgather", bf.neighbor_allgather, (G,)),
+                          ("allreduce", bf.allreduce, (G,)), ("allreduce_", bf.allreduce_, (G,)),
+                          ("broadcast", bf.broadcast, (G, 0)), ("allgather", bf.allgather, (G,)),
+                          ("pair_gossip", bf.pair_gossip, (G, RANK ^ 1)),
+                          ("hierarchical_neighbor_allreduce", bf.hierarchical_neighbor_allreduce, (G,)),
+                          ("win_create", bf.win_create, (G, "cuda"))):
+    attempt(f"cuda.{op_name}", fn, *args)
+bf.win_create(torch.ones(4), "cpu")
+attempt("cuda.win_put", bf.win_put, G, "cpu")
+attempt("cuda.win_accumulate", bf.win_accumulate, G, "cpu")
+bf.win_free("cpu")
+
+
+# ---- non-contiguous, zero-element and 0-d tensors work ------------------------------------------
+
+def everyone(shape, rank_fn=data):
+    return [rank_fn(r, shape) for r in range(SIZE)]
+
+
+def exp2_average(xs):
+    return (xs[RANK] + sum(xs[r] for r in IN)) / (len(IN) + 1)
+
+
+def window_round(x0s):
+    """win_create, win_put of 2*x, win_update with weights 1/2 to self and 1/4 per in-neighbor."""
+    name = f"win.{len(x0s[RANK].shape)}.{x0s[RANK].size}"
+    mine = torch.from_numpy(x0s[RANK].copy())
+    src = torch.from_numpy(np.ascontiguousarray(x0s[RANK].T)).t() if mine.dim() == 2 else mine
+    bf.win_create(src, name)
+    bf.win_put(src * 2, name)
+    bf.barrier()
+    got = bf.win_update(name, 0.5, {r: 0.25 for r in IN}, clone=True)
+    bf.barrier()
+    bf.win_free(name)
+    return close(got, 0.5 * x0s[RANK] + sum(0.25 * 2 * x0s[r] for r in IN))
+
+
+def transposed(a):
+    t = torch.from_numpy(np.ascontiguousarray(a.T)).t()
+    assert not t.is_contiguous() and np.array_equal(t.numpy(), a)
+    return t
+
+
+for kind, shape, make in (("noncontiguous", (3, 4), transposed), ("empty", (0, 3), torch.from_numpy),
+                          ("scalar", (), torch.from_numpy)):
+    xs = everyone(shape)
+    x = make(xs[RANK].copy())
+    check(f"works.{kind}.neighbor_allreduce", lambda: close(bf.neighbor_allreduce(x), exp2_average(xs)))
+    check(f"works.{kind}.allreduce", lambda: close(bf.allreduce(x), np.mean(xs, axis=0)))
+    check(f"works.{kind}.broadcast", lambda: close(bf.broadcast(x, 2), xs[2]))
+    check(f"works.{kind}.pair_gossip", lambda: close(bf.pair_gossip(x, RANK ^ 1),
+                                                     0.5 * xs[RANK] + 0.5 * xs[RANK ^ 1]))
+    check(f"works.{kind}.hierarchical_neighbor_allreduce",
+          lambda: close(bf.hierarchical_neighbor_allreduce(x), np.mean(xs, axis=0)))
+    if kind != "scalar":     # these concatenate on dim 0
+        check(f"works.{kind}.neighbor_allgather",
+              lambda: close(bf.neighbor_allgather(x), np.concatenate([xs[r] for r in IN])))
+        check(f"works.{kind}.allgather", lambda: close(bf.allgather(x), np.concatenate(xs)))
+    check(f"works.{kind}.window", lambda: window_round(xs))
+
+    def in_place():
+        y = make(xs[RANK].copy())
+        bf.allreduce_(y)
+        wrong = close(y, np.mean(xs, axis=0))
+        z = make(xs[RANK].copy())
+        bf.broadcast_(z, 1)
+        return wrong or close(z, xs[1])
+    check(f"works.{kind}.in_place", in_place)
+    check(f"works.{kind}.input_untouched", lambda: close(x, xs[RANK], tol=0))
+
+
+# ---- after shutdown ------------------------------------------------------------------------------
+
+bf.shutdown()
+runtime_calls("after_shutdown")
+report("done", "OK")
+os.write(1, f"AGENT OK {RANK}\n".encode())
