@@ -107,13 +107,17 @@ def windows_section(results):
                 header + (["with mutex / without"] if key == "acc" else []), rows))
     busy = entries(results, "windows", table="busy")
     for e in busy:
-        out.append(f"1 MB `win_accumulate(require_mutex=True)` into an agent computing for 1 s without MPI "
-                   f"calls ({e['agents']} agents): median {fmt(e['values']['median_s'], 1e3)} ms.\n")
+        out.append(f"### win_accumulate into a busy agent\n\n1 MB `win_accumulate(require_mutex=True)` into "
+                   f"an agent computing for 1 s without MPI calls ({e['agents']} agents): median "
+                   f"{fmt(e['values']['median_s'], 1e3)} ms per call.\n")
+    side_entries = entries(results, "windows", table="side")
+    side_agents = side_entries[0]["agents"] if side_entries else 0
     side = [[e["key"]["condition"], fmt(e["values"]["nar_4k_s"], 1e6), fmt(e["values"]["nar_1m_s"], 1e6),
-             fmt(e["values"]["compute_s"], 1e3), fmt(e["values"]["idle_cpu"], 100, ".1f")]
-            for e in entries(results, "windows", table="side")]
+             fmt(e["values"]["compute_s"], 1e3),
+             fmt(e["values"]["idle_cpu"], 100, ".1f") if e["values"]["idle_cpu"]["median"] else "–"]
+            for e in side_entries]
     if side:
-        out.append("### What a window costs the rest\n\n" + table(
+        out.append(f"### What a window costs the rest ({side_agents} agents)\n\n" + table(
             ["condition", "neighbor_allreduce 4 KB (µs)", "neighbor_allreduce 1 MB (µs)",
              "rank 0 compute loop (ms)", "idle agent CPU (%)"], side))
     return "\n".join(out)
