@@ -33,7 +33,8 @@ def find_agents(prefix):
     agents = [_agent(rank, path) for rank, path in sorted(found.items())]
     sizes = {a.meta.get("size") for a in agents}
     if len(sizes) != 1:
-        raise ValueError(f"the files {prefix}<rank>.json come from runs of different sizes {sorted(sizes, key=str)}")
+        raise ValueError(f"the files {prefix}<rank>.json come from runs of different sizes "
+                         f"{sorted(sizes, key=str)}")
     size = sizes.pop()
     if isinstance(size, int):
         missing = [f"{prefix}{r}.json" for r in range(size) if r not in found]

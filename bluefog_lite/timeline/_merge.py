@@ -96,7 +96,8 @@ class _AgentWriter:
             elif (ph == "B" or ph == "E") and len(ev) == 5:     # the writer's plain begin/end lines
                 key = (ev["pid"], ev["tid"])
                 tid = tids.get(key) or self._tid(*key)
-                write(f'{{"name":{q(ev["name"])},"ph":"{ph}","ts":{ev["ts"] + off:.3f},"pid":{pid},"tid":{tid}}},\n')
+                write(f'{{"name":{q(ev["name"])},"ph":"{ph}","ts":{ev["ts"] + off:.3f},'
+                      f'"pid":{pid},"tid":{tid}}},\n')
                 self._copied += 1
             else:
                 moved = dict(ev, pid=pid)

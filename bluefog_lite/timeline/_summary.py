@@ -175,6 +175,7 @@ def _format_stragglers(st):
 def _table(headers, rows):
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
-    def line(cells):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    def line(cells):     # the first two columns (names) left-aligned, numbers right-aligned
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return [line(headers)] + [line(r) for r in rows]

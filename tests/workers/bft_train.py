@@ -1,6 +1,6 @@
 """Four agents train a small MLP over a ring with the AWC optimizer wrapper (which
 installs the FORWARD/BACKWARD hooks itself) and end every step with a blocking
-neighbor_allreduce named "sync". Rank 3 sleeps 20 ms before each sync: it is
+neighbor_allreduce named "sync". Rank 3 sleeps 50 ms before each sync: it is
 the known straggler. The test sets BLUEFOG_TIMELINE and reads the files."""
 import sys
 import time
@@ -11,7 +11,7 @@ import bluefog_lite as bf
 import topology as topo
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-SLOW_RANK, SLEEP_S = 3, 0.02
+SLOW_RANK, SLEEP_S = 3, 0.05
 
 bf.init(topology_fn=topo.RingGraph)
 r = bf.rank()
