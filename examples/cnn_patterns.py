@@ -132,14 +132,14 @@ def main():
     ap = argparse.ArgumentParser(description="decentralized CNN training on generated patterns")
     ap.add_argument("--optimizer", nargs="+", choices=["winput", "awc", "atc"], default=["winput", "awc", "atc"],
                     help="one or more, trained one after the other (default: all three)")
-    ap.add_argument("--epochs", type=int, default=None, help="epochs (default 10; 4 with --short)")
+    ap.add_argument("--epochs", type=int, default=None, help="epochs (default 10; 5 with --short)")
     ap.add_argument("--short", action="store_true", help="quick run for the tests")
     ap.add_argument("--samples", type=int, default=640, help="training images per agent")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args()
     if args.epochs is None:
-        args.epochs = 4 if args.short else 10
+        args.epochs = 5 if args.short else 10
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
     images, labels = (torch.from_numpy(a) for a in training_set(bf.rank(), bf.size(), args.samples))

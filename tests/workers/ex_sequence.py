@@ -1,7 +1,8 @@
-"""Run the four logistic-regression examples one after the other in one job
-(one start-up instead of four): each example's own main(), with --short and
---save <dir>/<name>.npy. Rank 0 prints "EXAMPLE <name>" before each, so the
-test can match every final line to its example. argv: the output directory."""
+"""Run several examples one after the other in one job (one start-up instead of
+one per example): each example's own main() with the arguments below, the
+logistic ones with --save <dir>/<label>.npy. Rank 0 prints "EXAMPLE <label>"
+before each, so the test can match every final line to its run.
+argv: the output directory."""
 import importlib
 import os
 import sys
@@ -11,14 +12,18 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 
 from mpi4py import MPI  # noqa: E402
 
-NAMES = ["logistic_regression_dsgd", "logistic_regression_gradient_tracking",
-         "logistic_regression_exact_diffusion", "logistic_regression_push_diging"]
+LOGISTIC = ["logistic_regression_dsgd", "logistic_regression_gradient_tracking",
+            "logistic_regression_exact_diffusion", "logistic_regression_push_diging"]
+RUNS = [("consensus_static", "average_consensus", ["--steps", "10", "--dim", "1000"]),
+        ("consensus_dynamic", "average_consensus", ["--dynamic", "--steps", "4", "--dim", "1000"]),
+        ("push_sum", "average_consensus_push_sum", ["--short"])]
 
 out_dir = sys.argv[1]
+RUNS += [(name, name, ["--short", "--save", os.path.join(out_dir, name + ".npy")]) for name in LOGISTIC]
 rank = MPI.COMM_WORLD.rank
-for name in NAMES:
+for label, module, args in RUNS:
     if rank == 0:
-        print(f"EXAMPLE {name}", flush=True)
-    sys.argv = [name + ".py", "--short", "--save", os.path.join(out_dir, name + ".npy")]
-    importlib.import_module(name).main()       # bf.init() ... bf.shutdown()
+        print(f"EXAMPLE {label}", flush=True)
+    sys.argv = [module + ".py", *args]
+    importlib.import_module(module).main()       # bf.init() ... bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
