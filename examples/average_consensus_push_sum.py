@@ -20,9 +20,9 @@ them, and the final line gives the worst agent's distance. (The plain
 neighbor_allreduce version, static and dynamic, is average_consensus.py.)
 
 In a timeline, row ``x`` shows ENQUEUE_WIN_ACCUMULATE / MPI_WIN_ACCUMULATE
-(with ACQUIRE_MUTEX: the collect and the neighbors' accumulates exclude each
-other) and MPI_WIN_UPDATE, and the agents' files show different numbers of
-iterations in the same time.
+and MPI_WIN_UPDATE, each with ACQUIRE_MUTEX (the collect and the neighbors'
+accumulates exclude each other); the slower agents' iterations lie further
+apart.
 """
 import argparse
 import time
