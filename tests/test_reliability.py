@@ -290,6 +290,7 @@ class BfrunJob:
         self.proc = subprocess.Popen(cmd, env=dict(os.environ, **ENV), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines, self.out = queue.Queue(), []
+        self.read_all = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         self.pids = {}
 
@@ -297,13 +298,17 @@ class BfrunJob:
         for line in self.proc.stdout:
             self.out.append(line)
             self.lines.put(line)
+        self.read_all.set()
 
     def wait_running(self, timeout=150):
+        """True once every agent has said it runs (the job may have ended since)."""
         deadline = time.monotonic() + timeout
-        while len(self.pids) < N and time.monotonic() < deadline and self.proc.poll() is None:
+        while len(self.pids) < N and time.monotonic() < deadline:
             try:
                 m = re.match(r"RUNNING (\d+) (\d+)", self.lines.get(timeout=0.5))
             except queue.Empty:
+                if self.read_all.is_set():
+                    break
                 continue
             if m:
                 self.pids[int(m.group(1))] = int(m.group(2))

@@ -258,7 +258,7 @@ def neighbor_allgather(call, T):
     if any(trailing(xs[j]) != trailing(x) for j in src_of[RANK]):
         return lambda: bf.neighbor_allgather(x, **kwargs), error("ValueError", "all dimensions but the first")
     parts = [f64(xs[j]) for j in src_of[RANK]]
-    ref = np.concatenate(parts) if parts else np.zeros((0,) + trail)
+    ref = np.concatenate(parts) if parts else np.zeros((0,) + tuple(x.shape[1:]))
     return lambda: bf.neighbor_allgather(x, **kwargs), Expect(ref, 0.0, x.dtype)
 
 
@@ -369,97 +369,117 @@ def hierarchical_neighbor_allreduce(call, T):
 
 # ---- windows: a short random sequence against a model of every agent's memory -------------------------
 
-def window_sequence(call, T, steps, log):
-    """win_create, then rounds of puts/accumulates (barrier), gets (barrier), updates
-    (barrier), with local mistakes mixed in. The model: X[r] (window tensor),
-    B[r][j] (r's buffer for in-neighbor j). Integer windows use integer weights
-    (exact); float64 windows random ones. Returns the number of checked calls."""
-    dtype_name = draw(["float64", "int32"])
-    shape = draw_shape(min_ndim=1)
-    exact = dtype_name == "int32"
-    name = f"fzwin{call}"
-    X = [f64(tensor(call, r, shape, dtype_name)) for r in range(SIZE)]
-    zero = bool(rng.random() < 0.5)
-    B = [{j: (np.zeros(shape) if zero else X[j].copy()) for j in T.ins[r]} for r in range(SIZE)]
-    mine = torch.from_numpy(X[RANK].copy()).to(DTYPES[dtype_name][0])
-    bf.win_create(mine, name, zero_init=zero)
-    checked = 0
+class WindowModel:
+    """A window on every agent and a numpy model of its memory: X[r] (the window
+    tensor), B[r][j] (r's buffer for in-neighbor j). Integer windows use integer
+    weights (exact); float64 windows random ones."""
 
-    def weight():
-        return float(rng.integers(-1, 3)) if exact else float(rng.uniform(-0.5, 1.0))
+    def __init__(self, call, T, log):
+        self.T, self.log, self.checked = T, log, 0
+        self.dtype_name = draw(["float64", "int32"])
+        self.shape = draw_shape(min_ndim=1)
+        self.exact = self.dtype_name == "int32"
+        self.name = f"fzwin{call}"
+        self.X = [f64(tensor(call, r, self.shape, self.dtype_name)) for r in range(SIZE)]
+        zero = bool(rng.random() < 0.5)
+        self.B = [{j: (np.zeros(self.shape) if zero else self.X[j].copy()) for j in T.ins[r]}
+                  for r in range(SIZE)]
+        self.mine = torch.from_numpy(self.X[RANK].copy()).to(DTYPES[self.dtype_name][0])
+        bf.win_create(self.mine, self.name, zero_init=zero)
 
-    def verify(what, got, want, tol=0.0 if exact else 1e-9):
-        nonlocal checked
-        checked += 1
+    def weight(self):
+        return float(rng.integers(-1, 3)) if self.exact else float(rng.uniform(-0.5, 1.0))
+
+    def scaled(self, x, w):
+        return np.round(x * w) if self.exact else x * w
+
+    def verify(self, what, got, want):
+        self.checked += 1
+        tol = 0.0 if self.exact else 1e-9
         got = f64(got)
         if got.shape != want.shape or not np.allclose(got, want, atol=tol, rtol=tol):
-            log(f"{what} on window {name} gave {got.ravel()[:4]}, expected {want.ravel()[:4]}")
+            self.log(f"{what} on window {self.name} gave {got.ravel()[:4]}, expected {want.ravel()[:4]}")
 
-    for step in range(steps):
-        # puts and accumulates (one-sided: a local mistake on one agent hangs nobody)
-        plans = []
-        for r in range(SIZE):
-            targets = [d for d in T.outs[r] if rng.random() < 0.7]
-            plans.append(({d: weight() for d in targets}, bool(rng.random() < 0.5)))
+    def puts(self):
+        """Every agent puts or accumulates into some out-neighbors; one agent may then
+        make a mistake only it can see (one-sided: nobody waits for it)."""
+        plans = [({d: self.weight() for d in self.T.outs[r] if rng.random() < 0.7}, bool(rng.random() < 0.5))
+                 for r in range(SIZE)]
         mistake = draw(["none", "stray", "shape", "unknown", "nan"], p=[0.6, 0.1, 0.1, 0.1, 0.1])
         culprit = int(rng.integers(SIZE))
-        stray = [j for j in range(SIZE) if j != culprit and j not in T.outs[culprit]]
+        stray = [j for j in range(SIZE) if j != culprit and j not in self.T.outs[culprit]]
         if mistake == "stray" and not stray:
             mistake = "unknown"
         for r, (dstw, acc) in enumerate(plans):
             for d, w in dstw.items():
-                sent = np.round(X[r] * w) if exact else X[r] * w
-                B[d][r] = B[d][r] + sent if acc else sent
+                sent = self.scaled(self.X[r], w)
+                self.B[d][r] = self.B[d][r] + sent if acc else sent
         dstw, acc = plans[RANK]
         op = bf.win_accumulate if acc else bf.win_put
-        op(mine, name, dst_weights=dstw)
+        op(self.mine, self.name, dst_weights=dstw)
         if RANK == culprit and mistake != "none":
-            try:
-                if mistake == "stray":
-                    op(mine, name, dst_weights={stray[0]: 1.0})
-                elif mistake == "shape":
-                    op(torch.zeros(shape + (1,), dtype=mine.dtype), name)
-                elif mistake == "unknown":
-                    op(mine, name + ".nope")
-                else:
-                    op(mine, name, self_weight=float("nan"))
-                log(f"window mistake {mistake} was accepted")
-            except (ValueError, TypeError) as exc:
-                words = {"stray": "not out-neighbors", "shape": "does not match window",
-                         "unknown": "no window named", "nan": "must be finite"}[mistake]
-                if words not in str(exc):
-                    log(f"window mistake {mistake}: {type(exc).__name__}: {exc}")
-            checked += 1
+            self.mistake(op, mistake, stray)
         bf.barrier()
-        # gets: fetch w * (the source's tensor) into my buffer
-        gets = [{s: weight() for s in T.ins[r] if rng.random() < 0.4} for r in range(SIZE)]
+
+    def mistake(self, op, mistake, stray):
+        words = {"stray": "not out-neighbors", "shape": "does not match window",
+                 "unknown": "no window named", "nan": "must be finite"}[mistake]
+        self.checked += 1
+        try:
+            if mistake == "stray":
+                op(self.mine, self.name, dst_weights={stray[0]: 1.0})
+            elif mistake == "shape":
+                op(torch.zeros(self.shape + (1,), dtype=self.mine.dtype), self.name)
+            elif mistake == "unknown":
+                op(self.mine, self.name + ".nope")
+            else:
+                op(self.mine, self.name, self_weight=float("nan"))
+        except (ValueError, TypeError) as exc:
+            if words not in str(exc):
+                self.log(f"window mistake {mistake}: {type(exc).__name__}: {exc}")
+            return
+        self.log(f"window mistake {mistake} was accepted")
+
+    def gets(self):
+        """Some agents fetch w * (an in-neighbor's tensor) into their buffer for it."""
+        gets = [{s: self.weight() for s in self.T.ins[r] if rng.random() < 0.4} for r in range(SIZE)]
         for r in range(SIZE):
             for s, w in gets[r].items():
-                B[r][s] = np.round(X[s] * w) if exact else X[s] * w
+                self.B[r][s] = self.scaled(self.X[s], w)
         get_anyway = rng.random() < 0.5       # also with nothing to get (drawn by everyone)
         if gets[RANK] or get_anyway:
-            bf.win_get(name, src_weights=gets[RANK])
+            bf.win_get(self.name, src_weights=gets[RANK])
         bf.barrier()
-        versions = bf.get_win_version(name)
-        if set(versions) != set(T.ins[RANK]):
-            log(f"get_win_version keys {sorted(versions)} != in-neighbors {T.ins[RANK]}")
-        # updates: X[r] <- sw X[r] + sum nbw[j] B[r][j]; reset zeroes the buffers used
-        updates = []
-        for r in range(SIZE):
-            nbw = {j: weight() for j in T.ins[r] if rng.random() < 0.8}
-            updates.append((weight(), nbw, bool(rng.random() < 0.3)))
+        versions = bf.get_win_version(self.name)
+        if set(versions) != set(self.T.ins[RANK]):
+            self.log(f"get_win_version keys {sorted(versions)} != in-neighbors {self.T.ins[RANK]}")
+
+    def updates(self):
+        """X[r] <- sw X[r] + sum nbw[j] B[r][j]; reset zeroes the buffers used."""
+        updates = [(self.weight(), {j: self.weight() for j in self.T.ins[r] if rng.random() < 0.8},
+                    bool(rng.random() < 0.3)) for r in range(SIZE)]
         for r, (sw, nbw, reset) in enumerate(updates):
-            new = sw * X[r] + sum(w * B[r][j] for j, w in nbw.items())
-            X[r] = np.round(new) if exact else new
+            new = sw * self.X[r] + sum(w * self.B[r][j] for j, w in nbw.items())
+            self.X[r] = np.round(new) if self.exact else new
             if reset:
                 for j in nbw:
-                    B[r][j] = np.zeros(shape)
+                    self.B[r][j] = np.zeros(self.shape)
         sw, nbw, reset = updates[RANK]
-        verify("win_update", bf.win_update(name, sw, nbw, reset=reset), X[RANK])
-        verify("the window tensor", mine, X[RANK])
+        self.verify("win_update", bf.win_update(self.name, sw, nbw, reset=reset), self.X[RANK])
+        self.verify("the window tensor", self.mine, self.X[RANK])
         bf.barrier()
-    bf.win_free(name)
-    return checked
+
+
+def window_sequence(call, T, steps, log):
+    """win_create, then rounds of puts/accumulates, gets, updates (a barrier after
+    each), checked against the model; returns the number of checked calls."""
+    model = WindowModel(call, T, log)
+    for _ in range(steps):
+        model.puts()
+        model.gets()
+        model.updates()
+    bf.win_free(model.name)
+    return model.checked
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
