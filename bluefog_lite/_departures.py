@@ -9,10 +9,8 @@ of departures and, when one of its own operations has waited too long for data
 from an agent that has left, aborts the job (through the callback given by the
 runtime) instead of hanging.
 
-The watcher reads which operations wait for which ranks from the engine's own
-bookkeeping (``_active``, ``_missing``, what its stall inspector uses), from its
-own thread, tolerating a copy that races with the engine. A method of the engine
-answering that question would be the clean interface.
+The watcher asks the engine which operations wait for data from which ranks
+(``Engine.waiting_for_data``, safe from another thread).
 """
 import sys
 import threading
@@ -65,19 +63,11 @@ class Departures:
         GRACE_S for data from an agent that has left. A copy of the engine's state
         that fails because the engine changed it meanwhile is retried at the next tick."""
         now, found = time.monotonic(), set()
-        try:
-            for op in list(self.engine._active):
-                if op.finished_task:      # only its own sends are left: they need no departed agent
-                    continue
-                wait, missing = op.wait, self.engine._missing(op)
-                if not isinstance(missing, list):     # not waiting for data from ranks
-                    continue
-                for r in missing:
-                    since = self.departed.get(r)
-                    if since is not None and now - max(since, op.waiting_since) > GRACE_S:
-                        found.add((op, wait, r))
-        except (RuntimeError, AttributeError, KeyError, IndexError):
-            return set()
+        for op, wait, missing, since_wait in self.engine.waiting_for_data():
+            for r in missing:
+                since = self.departed.get(r)
+                if since is not None and now - max(since, since_wait) > GRACE_S:
+                    found.add((op, wait, r))
         return found
 
     def leave(self):

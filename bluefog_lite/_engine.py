@@ -137,6 +137,8 @@ class Engine:
         self._handles = itertools.count(1)
         self._active = set()           # admitted, not finished
         self._polled = set()           # ops checked every cycle (Turn, Requests, Sleep, sends)
+        self._completing = []          # finished ops, completed at the next flush
+        self._discard = collections.Counter()   # (src, key) -> entries of timed-out ops still to come
         self._waiters = {}             # (src, key) -> op waiting to receive it
         self._coll_seq = 0             # next collective sequence number (comm thread)
         self._coll_next = 0            # lowest collective not yet posted
@@ -247,6 +249,7 @@ class Engine:
             now = time.monotonic()
             if now - last_inspect > 0.5:
                 self._inspect_stalls(now)
+                self._flush()
                 last_inspect = now
             if moved:
                 idle_since = now
@@ -302,7 +305,8 @@ class Engine:
         return True
 
     def _flush(self):
-        """Send what the tasks queued and ring the peers that were sent something."""
+        """Send what the tasks queued, ring the peers that were sent something, and
+        complete the operations that finished (their inputs are in packets now)."""
         s = self.stream
         sent = s.flush_all()
         if s.to_ring:
@@ -310,6 +314,13 @@ class Engine:
             for r in s.to_ring:
                 ring(r)
             s.to_ring.clear()
+        if self._completing:
+            done, self._completing = self._completing, []
+            for op in done:
+                tl.end(op.name)
+                # before set_done(): the caller may resubmit the name as soon as it wakes
+                tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
+                op.set_done()
         return sent
 
     def _progress(self, status):
@@ -322,6 +333,9 @@ class Engine:
             # only operations that something arrived for are looked at
             arrived, s.arrived = s.arrived, []
             for key in arrived:
+                if key in self._discard:
+                    self._drop_stale(key)
+                    continue
                 op = self._waiters.get(key)
                 if op is not None and self._resume_if_received(op):
                     moved = True
@@ -406,10 +420,27 @@ class Engine:
             for k in op.wait.keys:
                 if self._waiters.get(k) is op:
                     del self._waiters[k]
-        tl.end(op.name)
-        # before done.set(): the caller may resubmit the name as soon as it wakes
-        tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
-        op.set_done()
+        # Completed only after the next flush: until then small inputs are queued
+        # by reference (copied into the packet at flush), and a woken caller may
+        # change its input at once.
+        self._completing.append(op)
+
+    def waiting_for_data(self):
+        """[(op, its wait, ranks whose data it lacks, waiting since)] for the active ops
+        that wait to receive. Safe to call from another thread: a snapshot that races
+        with the loop changing its state comes back empty (ask again later)."""
+        found = []
+        try:
+            for op in list(self._active):
+                wait = op.wait
+                if op.finished_task or not isinstance(wait, Recv):
+                    continue
+                missing = sorted({src for src, key in wait.keys if not self.stream.has(src, key)})
+                if missing:
+                    found.append((op, wait, missing, op.waiting_since))
+        except (RuntimeError, KeyError, IndexError, AttributeError):
+            return []
+        return found
 
     # ---- stall inspector --------------------------------------------------
     def _missing(self, op):
@@ -439,4 +470,24 @@ class Engine:
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
                     f"waiting for ranks {self._missing(op)}")
                 op.task.close()
+                if isinstance(op.wait, Recv):
+                    self._forget_inputs(op.wait.keys)
                 self._finish(op)
+
+    def _forget_inputs(self, keys):
+        """A timed-out op's inputs must not feed the next op of the same name: drop the
+        entries that arrived, and the ones still to come when they come."""
+        for key in keys:
+            entry = self.stream.take(*key)
+            if entry is not None:
+                entry.release()
+            else:
+                self._discard[key] += 1
+
+    def _drop_stale(self, key):
+        entry = self.stream.take(*key)
+        if entry is not None:
+            entry.release()
+            self._discard[key] -= 1
+            if self._discard[key] <= 0:
+                del self._discard[key]

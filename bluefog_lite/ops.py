@@ -197,8 +197,8 @@ def _allgather_object(obj, name=None):
 
 
 def barrier():
-    """Block until every agent has reached the barrier."""
-    _allgather_object(None, name=None)
+    """Block until every agent has reached the barrier (one timeline row, "barrier")."""
+    _allgather_object(None, name="barrier")
 
 
 # ---- neighbor operations -----------------------------------------------------------

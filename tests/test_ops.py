@@ -25,3 +25,7 @@ def test_fusion_small_ops_share_messages():
 
 def test_fusion_disabled_still_correct():
     run_agents(4, "ops_fusion.py", "nofusion", timeout=120, env={"BLUEFOG_FUSION_THRESHOLD": "0"})
+
+
+def test_input_may_change_as_soon_as_the_op_returns():
+    run_agents(2, "ops_input_reuse.py", timeout=90)

@@ -29,3 +29,7 @@ def test_uncaught_exception_on_one_agent_ends_the_job():
 
 def test_set_topology_checks_and_refusal():
     run_agents(4, "runtime_topology.py", timeout=90)
+
+
+def test_after_a_caught_timeout_the_next_op_of_that_name_gets_fresh_data():
+    run_agents(4, "runtime_timeout_stale.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
