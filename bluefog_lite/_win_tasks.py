@@ -35,6 +35,13 @@ MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MP
 _ALIGN = 64
 _ONE = np.ones(1, np.int64)
 _ZERO = np.zeros(1, np.int64)
+_FETCHED = np.zeros(1, np.int64)   # result of the counter updates below (not read)
+
+
+def _atomic(win, value, rank, disp, op):
+    """Atomically update one int64 counter. Fetch_and_op, not Accumulate: the pip
+    MPICH keeps ~128 B per int64 Accumulate to another agent, never freed."""
+    win.Fetch_and_op([value, MPI.INT64_T], [_FETCHED, MPI.INT64_T], rank, disp, op)
 
 
 def _aligned(n):
@@ -140,7 +147,7 @@ def _wait_local(req, what):
 def _reset_versions(win, indices):
     """Zero my version counters with MPI atomics: remote increments are atomics too."""
     for i in indices:
-        win.win.Accumulate([_ZERO, MPI.INT64_T], win.rank, target=Layout.version(i), op=MPI.REPLACE)
+        _atomic(win.win, _ZERO, win.rank, Layout.version(i), MPI.REPLACE)
     if indices:
         win.win.Flush(win.rank)
 
@@ -206,7 +213,7 @@ def release(win, ranks):
         win.held[r] -= 1
         if win.held[r] == 0:
             del win.held[r]
-            win.win.Accumulate([_ZERO, MPI.INT64_T], r, target=0, op=MPI.REPLACE)
+            _atomic(win.win, _ZERO, r, 0, MPI.REPLACE)
             win.win.Flush(r)
 
 
@@ -339,8 +346,7 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
             if targets:
                 win.win.Flush_all()
                 for dst in targets:
-                    win.win.Accumulate([_ONE, MPI.INT64_T], dst, target=Layout.version(win.slot_at[dst]),
-                                       op=MPI.SUM)
+                    _atomic(win.win, _ONE, dst, Layout.version(win.slot_at[dst]), MPI.SUM)
                 win.win.Flush_all()
     finally:
         release(win, locked)
