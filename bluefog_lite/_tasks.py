@@ -211,6 +211,14 @@ def _topology_check(eng, op, sends, recvs):
 def _send_all(eng, op, key, x, send_plan):
     for dst, scale in send_plan:
         eng.send_tensor(op, dst, key, x if scale is None else scaled(x, scale))
+    _mark_sends(op.name, [dst for dst, _ in send_plan])
+
+
+def _mark_sends(name, dsts):
+    """Timeline: an instant "SEND_TO r1,r2" on the op's row, the ranks this call sent
+    to (bftimeline draws its send -> receive arrows from it)."""
+    if tl.current is not None:
+        tl.instant(name, "SEND_TO " + ",".join(map(str, dsts)))
 
 
 def scaled(x, scale):
@@ -266,6 +274,7 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
         out = torch.empty_like(x)
     with _Phase(name, "COMMUNICATE"):
         eng.send_tensor(op, target, name, x)
+        _mark_sends(name, [target])
         entries = yield Recv([(target, name)])
     try:
         _check_same(op, x, entries)
@@ -283,6 +292,7 @@ def _machine_sum(eng, op, x, local_ranks):
     with _Phase(op.name, "COMMUNICATE"):
         for r in peers:
             eng.send_tensor(op, r, key, x)
+        _mark_sends(op.name, peers)
         local = yield Recv([(r, key) for r in peers])
     try:
         _check_same(op, x, local)

@@ -401,6 +401,21 @@ def test_real_run_merge_has_one_process_per_agent_and_paired_arrows(real_run):
         assert s["ts"] <= f["ts"] + slack, (s, f)
 
 
+def test_real_run_arrows_follow_the_recorded_sends_without_a_topology(real_run):
+    """Each neighbor call records the ranks it sent to (SEND_TO marks): merge needs no
+    --topology to draw exactly the ring's arrows (and none between non-neighbors)."""
+    folder, prefix = real_run
+    marks = [ev["name"] for ev in read_events(prefix + "0.json")
+             if ev.get("ph") == "i" and ev["name"].startswith("SEND_TO ")]
+    assert len(marks) >= REAL_STEPS and set(marks) == {"SEND_TO 1,3"}, sorted(set(marks))
+    proc = _python_m("merge", prefix, "-o", folder / "merged_plain.json")
+    assert proc.returncode == 0, proc.stderr
+    arrows = check_flows(load_json(folder / "merged_plain.json"))
+    ring = {(r, (r + 1) % 4) for r in range(4)} | {(r, (r - 1) % 4) for r in range(4)}
+    sync = collections.Counter((u - 1, v - 1) for u, v, s, _ in arrows if s["name"] == "sync")
+    assert sync == {pair: REAL_STEPS for pair in ring}
+
+
 def _union_length(intervals):
     total, reach = 0.0, -float("inf")
     for b, e in sorted(intervals):

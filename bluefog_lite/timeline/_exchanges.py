@@ -4,7 +4,8 @@ two-sided operation, when the agent called it and when its exchange ran.
 Agents are matched by operation name and occurrence number: the k-th
 ``ENQUEUE_NEIGHBOR_ALLREDUCE`` of "x" on one agent is the same exchange as the
 k-th on every other (operations of one name run one at a time on an agent).
-The files do not record which neighbors an exchange involved.
+Neighbor operations record the ranks each call sent to as an instant
+"SEND_TO r1,r2" inside their MPI_ slice (files of older versions do not).
 """
 import collections
 from array import array
@@ -18,11 +19,14 @@ EXCHANGE_KINDS = frozenset(COLLECTIVE_KINDS + NEIGHBOR_KINDS)
 
 NAN = float("nan")
 
-Exchanges = collections.namedtuple("Exchanges", "send send_end recv_begin recv tid")
+SEND_TO = "SEND_TO "
+
+Exchanges = collections.namedtuple("Exchanges", "send send_end recv_begin recv tid dsts")
 Exchanges.__doc__ = """Arrays by occurrence: send = begin of the first COMMUNICATE of the
 MPI_ slice (when this agent posted its data), recv = end of the last one (when
 everything it waited for had arrived; NaN if it never completed), with the ends
-of those slices and the row's tid, to place flow arrows inside them."""
+of those slices and the row's tid, to place flow arrows inside them; dsts: the
+ranks the call sent to (a tuple), or None where the file does not say."""
 
 
 class AgentExchanges:
@@ -33,9 +37,16 @@ class AgentExchanges:
         self._exchanges = {}                                            # (pid, kind) -> Exchanges
         self._communicate = collections.defaultdict(list)               # (pid, tid) -> pending slices
         self._enqueue_end = {}                                          # (pid, tid, name) -> last end
+        self._sends = collections.defaultdict(list)                     # (pid, tid) -> [(ts, ranks)]
         self.arrivals = {}      # (op name, kind) -> array of ENQUEUE begins, by occurrence
         self.exchanges = {}     # (op name, kind) -> Exchanges
         self.pids = {}          # op name -> its pid in this agent's file
+
+    def instant(self, pid, tid, ts, name):
+        """SliceReader.on_instant: keep the SEND_TO marks until their MPI_ slice ends."""
+        if name.startswith(SEND_TO):
+            text = name[len(SEND_TO):]
+            self._sends[(pid, tid)].append((ts, tuple(int(r) for r in text.split(",")) if text else ()))
 
     def add(self, s):
         name = s.name
@@ -58,9 +69,11 @@ class AgentExchanges:
                 return
             pending = self._communicate.pop((s.pid, s.tid), ())
             inside = [c for c in pending if c.begin >= s.begin and c.end <= s.end]
+            marks = [r for ts, ranks in self._sends.pop((s.pid, s.tid), ()) if s.begin <= ts <= s.end
+                     for r in ranks]
             ex = self._exchanges.get((s.pid, kind))
             if ex is None:
-                ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"))
+                ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [])
             if inside:
                 first, final = inside[0], inside[-1]
                 ex.send.append(first.begin)
@@ -71,6 +84,7 @@ class AgentExchanges:
                 for column in ex[:4]:
                     column.append(NAN)
             ex.tid.append(s.tid)
+            ex.dsts.append(tuple(sorted(set(marks))) if marks else None)
 
     def finish(self, process_name):
         """Key the records by operation name (pids differ between agents)."""
@@ -79,5 +93,5 @@ class AgentExchanges:
         for (pid, kind), ex in self._exchanges.items():
             self.exchanges[(process_name(pid), kind)] = ex
             self.pids[process_name(pid)] = pid
-        self._arrivals = self._exchanges = self._communicate = self._enqueue_end = None
+        self._arrivals = self._exchanges = self._communicate = self._enqueue_end = self._sends = None
         return self

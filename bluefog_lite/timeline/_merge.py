@@ -8,9 +8,10 @@ are kept for the arrows, which are written last (viewers sort by time).
 
 Arrows: for the k-th call of a named two-sided operation, from the begin of
 the sender's COMMUNICATE (when it posted its data) to the end of the
-receiver's (when what it waited for had arrived). The files do not record
-neighbors: collectives connect every pair of agents; neighbor operations do too
-unless the topology is given (then only its edges).
+receiver's (when what it waited for had arrived). Collectives connect every
+pair of agents; a neighbor operation's call connects its agent to the ranks it
+recorded sending to (SEND_TO marks); for files without them, every pair, or the
+edges of the topology if one is given.
 """
 import json
 import math
@@ -71,6 +72,7 @@ class _AgentWriter:
         out.write(_line({"name": "process_sort_index", "ph": "M", "pid": self.pid, "tid": 0,
                          "args": {"sort_index": a.rank}}))
         reader = SliceReader(self._passthrough(iter_events(a.path)), a.offset_us)
+        reader.on_instant = self.records.instant
         count = 0
         for s in reader:
             self.records.add(s)
@@ -161,7 +163,7 @@ def _flow_lines(records, edges):
             continue
         n = max(len(recs.exchanges[key].send) for recs in present.values())
         for k in range(n):
-            for u, v in pairs:
+            for u, v in _pairs_of_call(present, key, k, kind, pairs):
                 send = _end_point(present[u], records[u][1], key, k, sending=True)
                 recv = _end_point(present[v], records[v][1], key, k, sending=False)
                 if send is None or recv is None:
@@ -172,6 +174,22 @@ def _flow_lines(records, edges):
                              "pid": agent_pid(u), "tid": send[1], "args": args})
                 yield _line({"name": name, "cat": FLOW_CATEGORY, "ph": "f", "bp": "e", "id": flow_id,
                              "ts": recv[0], "pid": agent_pid(v), "tid": recv[1]})
+
+
+def _pairs_of_call(present, key, k, kind, pairs):
+    """The (sender, receiver) pairs of the k-th call: the ranks each agent recorded
+    sending to, where it did (neighbor operations), else the given pairs."""
+    if kind in COLLECTIVE_KINDS:
+        return pairs
+    out = []
+    for u, recs in sorted(present.items()):
+        dsts = recs.exchanges[key].dsts
+        sent = dsts[k] if k < len(dsts) else None
+        if sent is None:
+            out.extend((a, b) for a, b in pairs if a == u)
+        else:
+            out.extend((u, v) for v in sent if v in present)
+    return out
 
 
 def _end_point(recs, tids, key, k, sending):

@@ -28,6 +28,7 @@ class SliceReader:
         self.first = math.inf
         self.last = -math.inf
         self.unfinished = 0
+        self.on_instant = None   # called as on_instant(pid, tid, ts, name) for every "i" event
 
     def __iter__(self):
         stacks = {}              # (pid, tid) -> [(name, begin)] of the open slices
@@ -62,6 +63,8 @@ class SliceReader:
             elif "ts" in ev:
                 ts = ev["ts"] + off
                 first, last = min(first, ts), max(last, ts)
+                if ph == "i" and self.on_instant is not None:
+                    self.on_instant(ev["pid"], ev["tid"], ts, ev["name"])
         self.first, self.last = first, last
         for (pid, tid), stack in stacks.items():
             while stack:         # innermost first, so that callers see children before parents
