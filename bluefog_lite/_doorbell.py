@@ -12,10 +12,10 @@ costs no CPU. Callers ring their own agent's bell to hand it new operations.
 Peers on other hosts, and platforms without abstract sockets, are not rung:
 for them the engine keeps its polling timeout (see Engine._sleep).
 """
-import os
 import secrets
 import select
 import socket
+import sys
 
 
 class Doorbell:
@@ -25,8 +25,7 @@ class Doorbell:
         token = comm.bcast(secrets.token_hex(8) if comm.rank == 0 else None, root=0)
         self.rank = comm.rank
         self.sock = self._bind(self._address(token, comm.rank))
-        host = (socket.gethostname(), os.uname().nodename if hasattr(os, "uname") else "")
-        views = comm.allgather((host, self.sock is not None))
+        views = comm.allgather((socket.gethostname(), self.sock is not None))
         mine = views[comm.rank]
         self.peers = {r: self._address(token, r) for r, view in enumerate(views)
                       if view == mine and self.sock is not None and r != comm.rank}
@@ -41,7 +40,7 @@ class Doorbell:
 
     @staticmethod
     def _bind(address):
-        if not hasattr(socket, "AF_UNIX") or not os.uname().sysname == "Linux":
+        if not sys.platform.startswith("linux"):
             return None      # abstract socket names are Linux-only
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -261,27 +261,20 @@ class Engine:
     def _sleep(self, waited):
         """Wait for the next poll.
 
-        When nothing can move without a peer sending a packet (the only waits are
-        receives, and every peer can ring this agent's doorbell) or nothing is
-        active: sleep until rung, with a slow MPI poke (progress_poke_s) as a
-        safety net; while operations wait, only after yielding the CPU for the
-        short window first (a sleep costs a cold wake-up: with 2 agents on 2
-        cores, 4 KB ops took 0.8 ms sleeping at once, 0.25 ms yielding first,
-        and less CPU). Otherwise (data transfers or MPI collectives in flight, which
-        need MPI progress calls, or peers on other hosts): yield the CPU for a
-        short window (replies take ~0.1-0.3 ms), then sleep a quarter of the time
-        waited so far (detection adds <= 25%), at most wait_sleep_max_s."""
+        While operations are active, first yield the CPU for a short window
+        (replies take ~0.1-0.3 ms, and a sleep costs a cold wake-up: with 2 agents
+        on 2 cores, 4 KB ops took 0.8 ms sleeping at once, 0.25 ms yielding first).
+        Then, if progress needs MPI calls (data transfers or collectives in flight,
+        or peers on other hosts, which cannot ring): sleep a quarter of the time
+        waited so far (detection adds <= 25%), at most wait_sleep_max_s. Otherwise
+        sleep until rung (a peer sent something, a caller enqueued), with a slow
+        MPI poke (progress_poke_s) as a safety net."""
         bell = self.doorbell
-        if (self._active and (self._polled or not bell.covers_all)) or self._sends_pending():
-            if waited < self.yield_window_s:
-                os.sched_yield()
-                return
-            timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4))
-        elif self._active and waited < self.yield_window_s:
+        polling = (self._active and (self._polled or not bell.covers_all)) or self._sends_pending()
+        if (polling or self._active) and waited < self.yield_window_s:
             os.sched_yield()     # stay on the CPU a moment: a sleep costs a cold wake-up
             return
-        else:
-            timeout = self.progress_poke_s
+        timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4)) if polling else self.progress_poke_s
         self._sleeping = True     # set before looking at the queue: a submit after the look rings
         try:
             if self._queue or self._stopping:
@@ -441,7 +434,7 @@ class Engine:
                 wait = op.wait
                 if op.finished_task or not isinstance(wait, Recv):
                     continue
-                missing = sorted({src for src, key in wait.keys if not self.stream.has(src, key)})
+                missing = self._lacking(wait)
                 if missing:
                     found.append((op, wait, missing, op.waiting_since))
         except (RuntimeError, KeyError, IndexError, AttributeError):
@@ -449,10 +442,14 @@ class Engine:
         return found
 
     # ---- stall inspector --------------------------------------------------
+    def _lacking(self, wait):
+        """The ranks whose entry a Recv wait still lacks."""
+        return sorted({src for src, key in wait.keys if not self.stream.has(src, key)})
+
     def _missing(self, op):
         w = op.wait
         if isinstance(w, Recv):
-            return sorted({src for src, key in w.keys if not self.stream.has(src, key)})
+            return self._lacking(w)
         if isinstance(w, Turn):
             return "an earlier collective operation"
         if isinstance(w, Requests):

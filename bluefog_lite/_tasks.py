@@ -211,12 +211,13 @@ def _topology_check(eng, op, sends, recvs):
 def _send_all(eng, op, key, x, send_plan):
     for dst, scale in send_plan:
         eng.send_tensor(op, dst, key, x if scale is None else scaled(x, scale))
-    _mark_sends(op.name, [dst for dst, _ in send_plan])
+    _mark_sends(op.name, (dst for dst, _ in send_plan))
 
 
 def _mark_sends(name, dsts):
     """Timeline: an instant "SEND_TO r1,r2" on the op's row, the ranks this call sent
-    to (bftimeline draws its send -> receive arrows from it)."""
+    to (bftimeline draws its send -> receive arrows from it). dsts may be a generator:
+    nothing is built while the timeline is off."""
     if tl.current is not None:
         tl.instant(name, "SEND_TO " + ",".join(map(str, dsts)))
 
