@@ -76,6 +76,17 @@ class Sleep:
         self.until, self.what = time.monotonic() + seconds, what
 
 
+class Fusable:
+    """How an op may be fused: ops admitted together with equal ``key`` (and at most
+    the fusion threshold of ``nbytes`` in all) run as one task, ``group(eng, lead,
+    members)``, where members is [(op, arg)] in submission order. The task sets each
+    member's result (or error); the lead's is its return value."""
+    __slots__ = ("key", "nbytes", "arg", "group")
+
+    def __init__(self, key, nbytes, arg, group):
+        self.key, self.nbytes, self.arg, self.group = key, nbytes, arg, group
+
+
 class OpTimeout(TimeoutError):
     pass
 
@@ -83,10 +94,12 @@ class OpTimeout(TimeoutError):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "caller_tid")
+                 "caller_tid", "fuse", "riders")
 
-    def __init__(self, handle, name, kind, task):
+    def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
+        self.fuse = fuse       # a Fusable: this op may run in one task with others like it
+        self.riders = ()       # the other ops of the fused group this op's task runs
         self.wait = None
         self.waiting_since = 0.0
         self.warned = False
@@ -150,15 +163,16 @@ class Engine:
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------
-    def submit(self, name, kind, task):
-        """Enqueue generator ``task`` (created with the Op as argument) and return its handle."""
+    def submit(self, name, kind, task, fuse=None):
+        """Enqueue generator ``task`` (created with the Op as argument) and return its handle.
+        ``fuse``: a Fusable, if the op may run fused with others of the same key."""
         with self._lock:
             if self._stopping:
                 raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
             if name in self._names:
                 raise ValueError(f"an operation named {name!r} is already in flight on this agent "
                                  "(not yet synchronized); synchronize it before reusing the name")
-            op = Op(next(self._handles), name, kind, None)
+            op = Op(next(self._handles), name, kind, None, fuse)
             op.task = task(op)
             self._names.add(name)
             self._ops[op.handle] = op
@@ -215,8 +229,8 @@ class Engine:
         self.comm.Free()
 
     # ---- helpers used by tasks (comm thread) ------------------------------
-    def send_tensor(self, op, dst, key, t):
-        self.stream.queue_tensor(dst, key, t, op.data_requests)
+    def send_tensor(self, op, dst, key, t, members=None):
+        self.stream.queue_tensor(dst, key, t, op.data_requests, members)
 
     def send_object(self, dst, key, obj):
         self.stream.queue_object(dst, key, obj)
@@ -298,10 +312,41 @@ class Engine:
             new, self._queue = list(self._queue), collections.deque()
         for op in new:
             tl.begin(op.name, "MPI_" + op.kind)
+        for op in (self._fuse(new) if len(new) > 1 else new):
             self._active.add(op)
             self._step(op, None)
         self._flush()
         return True
+
+    def _fuse(self, ops):
+        """Group the small fusable ops of one admission by key (each group at most the
+        fusion threshold in bytes); a group's first op runs the group's task and the
+        others ride along. Returns the ops to run, in the order of their first op."""
+        limit = self.stream.fusion_threshold
+        small = self.stream.inline_limit
+        if limit == 0:
+            return ops
+        run, open_groups, members_of = [], {}, {}
+        for op in ops:
+            f = op.fuse
+            if f is None or f.nbytes > small:
+                run.append(op)
+                continue
+            g = open_groups.get(f.key)
+            if g is None or g[1] + f.nbytes > limit:
+                g = open_groups[f.key] = [[op], 0]
+                members_of[op] = g[0]
+                run.append(op)
+            else:
+                g[0].append(op)
+            g[1] += f.nbytes
+        for lead, members in members_of.items():
+            if len(members) > 1:
+                self.stream.stats["fused_groups"] += 1
+                self.stream.stats["fused_ops"] += len(members)
+                lead.riders = members[1:]
+                lead.task = lead.fuse.group(self, lead, [(m, m.fuse.arg) for m in members])
+        return run
 
     def _flush(self):
         """Send what the tasks queued, ring the peers that were sent something, and
@@ -331,12 +376,16 @@ class Engine:
         if s.arrived:
             # only operations that something arrived for are looked at
             arrived, s.arrived = s.arrived, []
+            woken = {}     # each op once (a fused group waits for many keys), in order
             for key in arrived:
                 if key in self._discard:
                     self._drop_stale(key)
                     continue
                 op = self._waiters.get(key)
-                if op is not None and self._resume_if_received(op):
+                if op is not None:
+                    woken[op] = None
+            for op in woken:
+                if isinstance(op.wait, Recv) and self._resume_if_received(op):
                     moved = True
         for op in list(self._polled):
             if self._advance(op):
@@ -423,6 +472,11 @@ class Engine:
         # by reference (copied into the packet at flush), and a woken caller may
         # change its input at once.
         self._completing.append(op)
+        for rider in op.riders:
+            if rider.result is None and rider.error is None:
+                rider.error = op.error     # the group failed before this member's result
+            rider.finished_task = True
+            self._completing.append(rider)
 
     def waiting_for_data(self):
         """[(op, its wait, ranks whose data it lacks, waiting since)] for the active ops

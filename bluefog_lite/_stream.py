@@ -26,7 +26,7 @@ _DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20)
 _ALIGN = 64
 _HEAD = struct.Struct("<Q")
 
-_KIND_TENSOR, _KIND_OBJECT = 0, 1
+_KIND_TENSOR, _KIND_OBJECT, _KIND_GROUP = 0, 1, 2
 
 
 def _aligned(n):
@@ -62,6 +62,63 @@ class Entry:
             self._release()
             self._release = None
         self.value = None
+
+
+class Slab:
+    """The bytes of a fused group: the flat tensors of several operations, back to
+    back, sent as one entry. Each member becomes a Member entry in the inbox under
+    its operation's name; the slab is released when all of its members are."""
+    __slots__ = ("src", "dtype", "names", "shapes", "offsets", "flat", "ready", "_release", "_left")
+
+    def __init__(self, src, dtype, members):
+        self.src, self.dtype = src, dtype
+        self.names = [m[0] for m in members]
+        self.shapes = [m[1] for m in members]
+        self.offsets = [0]
+        for m in members:
+            self.offsets.append(self.offsets[-1] + m[2])
+        self.flat, self.ready, self._release, self._left = None, False, None, len(members)
+
+    def keys(self):
+        return [(self.src, name) for name in self.names]
+
+    def region(self, first, count):
+        """The flat tensor of members first .. first+count-1 (a view, no copy)."""
+        return self.flat[self.offsets[first]:self.offsets[first + count]]
+
+    def release_one(self):
+        self._left -= 1
+        if self._left == 0:
+            if self._release is not None:
+                self._release()
+                self._release = None
+            self.flat = None
+
+
+class Member:
+    """One operation's part of a Slab; behaves as an Entry."""
+    __slots__ = ("slab", "index", "released")
+    is_tensor = True
+
+    def __init__(self, slab, index):
+        self.slab, self.index, self.released = slab, index, False
+
+    src = property(lambda self: self.slab.src)
+    key = property(lambda self: self.slab.names[self.index])
+    meta = property(lambda self: (self.slab.dtype, self.slab.shapes[self.index]))
+    ready = property(lambda self: self.slab.ready)
+
+    @property
+    def value(self):
+        return self.slab.region(self.index, 1).view(self.slab.shapes[self.index])
+
+    def describe(self):
+        return f"{self.slab.dtype}{list(self.slab.shapes[self.index])}"
+
+    def release(self):
+        if not self.released:
+            self.released = True
+            self.slab.release_one()
 
 
 def _as_tensor(raw, meta):
@@ -100,25 +157,30 @@ class StreamEndpoint:
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
 
     # ---- sending -------------------------------------------------------
-    def queue_tensor(self, dst, key, t, data_requests):
+    def queue_tensor(self, dst, key, t, data_requests, members=None):
         """Queue contiguous tensor ``t`` for ``dst``. Large tensors get their own
-        message (its request is appended to ``data_requests``); small ones go inline."""
+        message (its request is appended to ``data_requests``); small ones go inline.
+        With ``members`` [(name, shape, numel)], ``t`` is the flat buffer of a fused
+        group and the receiver files each member under its own name (``key`` unused)."""
         box = self.outboxes.get(dst)
         if box is None:
             box = self.outboxes[dst] = Outbox()
-        meta = (_dtype_name(t), tuple(t.shape))
+        if members is None:
+            kind, meta = _KIND_TENSOR, (_dtype_name(t), tuple(t.shape))
+        else:
+            kind, meta = _KIND_GROUP, (_dtype_name(t), members)
         nbytes = t.numel() * t.element_size()
         if nbytes <= self.inline_limit:
             if box.inline_bytes + nbytes > self.fusion_threshold and box.entries:
                 self.flush_one(dst)
                 box = self.outboxes[dst] = Outbox()
-            box.entries.append((key, _KIND_TENSOR, meta, ("i", box.inline_bytes, nbytes)))
+            box.entries.append((key, kind, meta, ("i", box.inline_bytes, nbytes)))
             box.payloads.append(t)
             box.inline_bytes += _aligned(nbytes)
             return
         tag = _FIRST_DATA_TAG + self._next_tag[dst] % _DATA_TAGS
         self._next_tag[dst] += 1
-        box.entries.append((key, _KIND_TENSOR, meta, ("t", tag, nbytes)))
+        box.entries.append((key, kind, meta, ("t", tag, nbytes)))
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
         self.stats["data_messages"] += 1
@@ -143,7 +205,7 @@ class StreamEndpoint:
         packet[_HEAD.size:_HEAD.size + len(header)] = np.frombuffer(header, np.uint8)
         i = 0
         for _key, kind, _meta, loc in box.entries:
-            if kind == _KIND_TENSOR and loc[0] == "i":
+            if kind != _KIND_OBJECT and loc[0] == "i":
                 off, n = loc[1], loc[2]
                 if n:
                     packet[start + off:start + off + n] = tensor_bytes(box.payloads[i])
@@ -180,6 +242,9 @@ class StreamEndpoint:
         entries = pickle.loads(packet[_HEAD.size:_HEAD.size + hlen].tobytes())
         start = _aligned(_HEAD.size + hlen)
         for key, kind, meta, loc in entries:
+            if kind == _KIND_GROUP:
+                self._unpack_group(src, meta, loc, packet, start)
+                continue
             entry = Entry(src, key, meta, kind == _KIND_TENSOR)
             if kind == _KIND_OBJECT:
                 entry.value, entry.ready = meta, True
@@ -196,6 +261,23 @@ class StreamEndpoint:
                 self.to_ring.add(src)     # the sender's side of the transfer needs its progress too
             self.inbox[(src, key)].append(entry)
 
+    def _unpack_group(self, src, meta, loc, packet, start):
+        dtype, members = meta
+        slab = Slab(src, dtype, members)
+        if loc[0] == "i":
+            raw = packet[start + loc[1]:start + loc[1] + loc[2]]
+            slab.flat, slab.ready = _as_tensor(raw, (dtype, (slab.offsets[-1],))), True
+            self.arrived.extend(slab.keys())
+        else:
+            buf, slab._release = self.pool.take(loc[2])
+            slab.flat = _as_tensor(buf, (dtype, (slab.offsets[-1],)))
+            req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
+            self.pending_recvs.append((req, slab))
+            self.to_ring.add(src)
+        inbox = self.inbox
+        for i, name in enumerate(slab.names):
+            inbox[(src, name)].append(Member(slab, i))
+
     def test_recvs(self):
         """Mark large-tensor entries whose bytes have arrived as ready."""
         if not self.pending_recvs:
@@ -204,7 +286,10 @@ class StreamEndpoint:
         for req, entry in self.pending_recvs:
             if req.Test():
                 entry.ready = done = True
-                self.arrived.append((entry.src, entry.key))
+                if isinstance(entry, Slab):
+                    self.arrived.extend(entry.keys())
+                else:
+                    self.arrived.append((entry.src, entry.key))
             else:
                 still.append((req, entry))
         self.pending_recvs = still

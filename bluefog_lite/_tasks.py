@@ -9,7 +9,7 @@ import torch
 
 from ._engine import Recv, Requests, Turn
 from ._mpi import MPI
-from ._stream import tensor_bytes
+from ._stream import Member, tensor_bytes
 from .timeline import _recorder as tl
 
 
@@ -25,6 +25,24 @@ class _Phase:
 
     def __exit__(self, *exc):
         tl.end(self.name)
+
+
+class _Phases:
+    """The same sub-phase on the rows of several operations (a fused group)."""
+    __slots__ = ("names", "activity")
+
+    def __init__(self, names, activity):
+        self.names, self.activity = names, activity
+
+    def __enter__(self):
+        if tl.current is not None:
+            for name in self.names:
+                tl.begin(name, self.activity)
+
+    def __exit__(self, *exc):
+        if tl.current is not None:
+            for name in self.names:
+                tl.end(name)
 
 
 def _describe(t):
@@ -245,6 +263,89 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
                                  [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
     finally:
         _release(entries)
+
+
+def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_plan, recv_from):
+    """Several neighbor_allreduce ops with one plan and dtype, admitted together: their
+    inputs are copied into one buffer that goes to each neighbor as one entry, and
+    one weighted sum over the buffers gives every result (each a view of the common
+    output). Members of a neighbor's group arrive back to back; when the neighbor
+    grouped them differently, its parts are gathered into one buffer first."""
+    ops = [op for op, _ in members]
+    xs = [x for _, x in members]
+    names = [op.name for op in ops]
+    sizes = [x.numel() for x in xs]
+    with _Phases(names, "ALLOCATE_OUTPUT"):
+        out = torch.empty(sum(sizes), dtype=xs[0].dtype)
+    with _Phases(names, "MEMCPY_IN_FUSION_BUFFER"):
+        flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
+    desc = [(name, tuple(x.shape), n) for name, x, n in zip(names, xs, sizes)]
+    with _Phases(names, "COMMUNICATE"):
+        for dst, scale in send_plan:
+            eng.send_tensor(lead, dst, None, flat if scale is None else scaled(flat, scale), desc)
+        if tl.current is not None:
+            for name in names:
+                _mark_sends(name, (dst for dst, _ in send_plan))
+        entries = yield Recv([(src, name) for src in recv_from for name in names])
+    try:
+        k = len(names)
+        metas = [_meta(x) for x in xs]
+        parts = [_joined(entries[j * k:(j + 1) * k], metas, eng.stream.stats) for j in range(len(recv_from))]
+        if any(p is None for p in parts):     # someone sent another shape or dtype
+            return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
+        with _Phases(names, "COMPUTE_AVERAGE"):
+            weighted_sum(out, flat, self_weight,
+                         [(p, src_weights.get(src, 0.0)) for p, src in zip(parts, recv_from)])
+        for op, x, part in zip(ops, xs, out.split(sizes)):   # split: ~8x cheaper than slicing
+            op.result = part if x.dim() == 1 else part.view(x.shape)
+        return lead.result
+    finally:
+        _release(entries)
+
+
+def _joined(entries, metas, stats):
+    """One flat tensor of the entries' values in order, or None when a meta differs
+    from ours. Consecutive members of one slab are taken as one region: a view when
+    all entries are (the neighbor grouped them as we did), else one concatenation."""
+    pieces, i, n = [], 0, len(entries)
+    while i < n:
+        e = entries[i]
+        if isinstance(e, Member):
+            slab, first = e.slab, e.index
+            j = i + 1
+            while j < n and (f := entries[j]).__class__ is Member and f.slab is slab and f.index == first + j - i:
+                j += 1
+            if metas[i:j] != [(slab.dtype, shape) for shape in slab.shapes[first:first + j - i]]:
+                return None
+            pieces.append(slab.region(first, j - i))
+            i = j
+        else:
+            if not e.is_tensor or e.meta != metas[i]:
+                return None
+            pieces.append(e.value.reshape(-1))
+            i += 1
+    if len(pieces) == 1:
+        stats["fused_joined_views"] += 1
+        return pieces[0]
+    stats["fused_joined_copies"] += 1
+    return torch.cat(pieces)
+
+
+def _each_alone(ops, xs, entries, self_weight, src_weights, recv_from):
+    """The fused group's fallback when some neighbor's data does not match: each
+    member is checked and averaged on its own, so only the mismatched ones fail."""
+    k = len(ops)
+    for i, (op, x) in enumerate(zip(ops, xs)):
+        mine = [entries[j * k + i] for j in range(len(recv_from))]
+        try:
+            _check_same(op, x, mine)
+            op.result = weighted_sum(torch.empty_like(x), x, self_weight,
+                                     [(e.value, src_weights.get(e.src, 0.0)) for e in mine])
+        except ValueError as exc:
+            op.error = exc
+    if ops[0].error is not None:
+        raise ops[0].error
+    return ops[0].result
 
 
 def neighbor_allgather(eng, op, x, send_to, recv_from, check):

@@ -10,6 +10,7 @@ import numbers
 import torch
 
 from . import _tasks
+from ._engine import Fusable
 from ._runtime import state
 
 _REDUCIBLE = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -28,7 +29,9 @@ def _tensor(t, what="tensor"):
                         "(move it with .cpu() first)")
     if t.is_sparse:
         raise TypeError(f"{what} is sparse; pass a dense tensor")
-    return t.detach().contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _numeric(t, op):
@@ -92,13 +95,13 @@ def _op_name(name, kind):
     return name
 
 
-def _submit(kind, name, make_task):
+def _submit(kind, name, make_task, fuse=None):
     """Enqueue under name, which the op resolved with _op_name before validating its
     arguments: a generated name is used up even by a call that then fails, so that
     generated names stay the same on every agent when an error on some agents is
     caught and the program goes on."""
     eng = state().engine
-    return eng.submit(name, kind, lambda op: make_task(eng, op))
+    return eng.submit(name, kind, lambda op: make_task(eng, op), fuse)
 
 
 # ---- handles ---------------------------------------------------------------------
@@ -242,8 +245,13 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
     sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                st.size, st.rank, "neighbor_allreduce")
     check = bool(enable_topo_check) and dynamic
+    fuse = None
+    if not check:   # ops of one plan and dtype admitted together run as one (see _engine._fuse)
+        key = (x.dtype, sw, tuple(srcw.items()), tuple(plan), tuple(recv_from))
+        fuse = Fusable(key, x.numel() * x.element_size(), x, lambda e, lead, members: (
+            _tasks.neighbor_allreduce_fused(e, lead, members, sw, srcw, plan, recv_from)))
     return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _tasks.neighbor_allreduce(
-        e, op, x, sw, srcw, plan, recv_from, check))
+        e, op, x, sw, srcw, plan, recv_from, check), fuse)
 
 
 def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weights=None,

@@ -29,3 +29,8 @@ def test_fusion_disabled_still_correct():
 
 def test_input_may_change_as_soon_as_the_op_returns():
     run_agents(2, "ops_input_reuse.py", timeout=90)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_fused_groups_match_numpy_when_agents_group_differently(n):
+    run_agents(n, "ops_fused_groups.py", timeout=150)
