@@ -6,10 +6,11 @@ NAR_TARGETS = {4096: 3.0, 1 << 20: 1.3, 16 << 20: 1.15}       # bf/raw, static, 
 FUSION_TARGET = 2.0                                          # fused/raw
 TIMELINE_TARGET = 1.03                                       # on/off
 MEMORY_SLACK_MB = 2       # peak may exceed expected by this (allocator, code pages); a copy is a whole tensor
-METHOD_NAMES = {"awc": "AWC (neighbor_allreduce)", "atc": "ATC (neighbor_allreduce)",
-                "winput": "win_put", "gradallreduce": "gradient allreduce", "ddp": "DDP (gloo)"}
-SHORT_NAMES = {"awc": "AWC", "atc": "ATC", "winput": "win_put", "gradallreduce": "gradient\nallreduce",
-               "ddp": "DDP\n(gloo)"}
+METHOD_NAMES = {"awc": "AWC (neighbor_allreduce)", "awc_timeline": "AWC, timeline recording",
+                "atc": "ATC (neighbor_allreduce)", "winput": "win_put", "gradallreduce": "gradient allreduce",
+                "ddp": "DDP (gloo)"}
+SHORT_NAMES = {"awc": "AWC", "awc_timeline": "AWC\n+timeline", "atc": "ATC", "winput": "win_put",
+               "gradallreduce": "gradient\nallreduce", "ddp": "DDP\n(gloo)"}
 
 
 def size_label(nbytes):
@@ -143,13 +144,20 @@ def timeline_section(results):
     rows = []
     for e in entries(results, "timeline"):
         v = e["values"]
-        rows.append([e["agents"], fmt(v["off_step_s"], 1e3), fmt(v["on_step_s"], 1e3), ratio(v["on/off"], 3),
-                     ratio(v["on/off_cpu"], 3), fmt(v["events_per_step"]), verdict(v["on/off"], TIMELINE_TARGET)])
+        rows.append(["MLP (bench_timeline.py)", e["agents"], fmt(v["off_step_s"], 1e3), fmt(v["on_step_s"], 1e3),
+                     ratio(v["on/off"], 3), ratio(v["on/off_cpu"], 3), fmt(v["events_per_step"]),
+                     verdict(v["on/off"], TIMELINE_TARGET)])
+    for e in entries(results, "training"):
+        v = e["values"]
+        if "awc_timeline/awc" in v:
+            rows.append(["CNN example (bench_training.py)", e["agents"], fmt(v["awc_step_s"], 1e3),
+                         fmt(v["awc_timeline_step_s"], 1e3), ratio(v["awc_timeline/awc"], 3), "–", "–",
+                         verdict(v["awc_timeline/awc"], TIMELINE_TARGET)])
     if not rows:
         return ""
-    return "### Timeline overhead (AWC training loop, on vs off)\n\n" + table(
-        ["agents", "step off (ms)", "step on (ms)", "on / off (wall)", "on / off (CPU)", "events per step",
-         "target"], rows)
+    return "### Timeline overhead (AWC training loops, on vs off)\n\n" + table(
+        ["training loop", "agents", "step off (ms)", "step on (ms)", "on / off (wall)", "on / off (CPU)",
+         "events per step", "target"], rows)
 
 
 def memory_section(results):

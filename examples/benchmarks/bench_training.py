@@ -1,7 +1,7 @@
 """Training throughput of the CNN example: bluefog_lite optimizers vs torch DDP on gloo, same run.
 
     mpiexec -n 4 python examples/benchmarks/bench_training.py [--steps 20] [--rounds 5] [--batch 32]
-        [--methods awc,atc,winput,gradallreduce,ddp] [--json out.json]
+        [--methods awc,awc_timeline,atc,winput,gradallreduce,ddp] [--json out.json]
 
 Every method trains its own copy of the same model (examples/cnn_patterns.py's
 make_model and training_set when that module imports cleanly, else an equivalent
@@ -10,7 +10,10 @@ torch.optim.SGD(lr=0.02, momentum=0.9), on the same batches:
 - awc, atc: DistributedAdaptWithCombine / AdaptThenCombine, neighbor_allreduce on Exp-2;
 - winput: DistributedWinPutOptimizer (one-sided puts to the Exp-2 out-neighbors);
 - gradallreduce: DistributedGradientAllreduceOptimizer (allreduce of gradients);
-- ddp: torch.nn.parallel.DistributedDataParallel on a gloo process group.
+- ddp: torch.nn.parallel.DistributedDataParallel on a gloo process group;
+- awc_timeline: awc with the timeline recording (bf.timeline_start for its rounds,
+  FORWARD/BACKWARD hooks installed): awc_timeline/awc is the timeline's overhead
+  on this training loop (step time, on / off).
 Methods alternate in rounds of `steps` steps; a round's throughput is
 agents * batch / (slowest agent's mean step time). Figures are medians over rounds.
 """
@@ -18,6 +21,7 @@ import argparse
 import copy
 import os
 import sys
+import tempfile
 import time
 
 import _bench
@@ -28,7 +32,7 @@ import bluefog_lite as bf
 import topology
 from bluefog_lite._mpi import MPI
 
-METHODS = ("awc", "atc", "winput", "gradallreduce", "ddp")
+METHODS = ("awc", "awc_timeline", "atc", "winput", "gradallreduce", "ddp")
 
 
 def _fallback_model():
@@ -63,6 +67,7 @@ def build(method, model):
     nar = bf.CommunicationType.neighbor_allreduce
     wrappers = {
         "awc": lambda: bf.DistributedAdaptWithCombineOptimizer(opt, model, nar),
+        "awc_timeline": lambda: bf.DistributedAdaptWithCombineOptimizer(opt, model, nar),
         "atc": lambda: bf.DistributedAdaptThenCombineOptimizer(opt, model, nar),
         "winput": lambda: bf.DistributedWinPutOptimizer(opt, model, window_prefix="bench.winput"),
         "gradallreduce": lambda: bf.DistributedGradientAllreduceOptimizer(opt, model),
@@ -106,13 +111,20 @@ def main():
     for model, opt in runs.values():        # warm-up: connections, buffers, allocator
         run_steps(model, opt, batches, 0, 3)
     step_s = {m: [] for m in methods}
+    folder = tempfile.mkdtemp(prefix="bench_training_timeline_")
     for r in range(args.rounds):
         for m in methods:
             model, opt = runs[m]
+            if m == "awc_timeline":
+                hooks = bf.timeline_install_hooks(model)
+                bf.timeline_start(os.path.join(folder, f"round{r}_"))
             comm.Barrier()
             t0 = time.perf_counter()
             run_steps(model, opt, batches, r * args.steps, args.steps)
             step_s[m].append(comm.allreduce((time.perf_counter() - t0) / args.steps, op=MPI.MAX))
+            if m == "awc_timeline":
+                bf.timeline_stop()
+                hooks.remove()
     if "winput" in runs:
         runs["winput"][1].free_windows()
     samples = comm.size * args.batch
@@ -121,6 +133,8 @@ def main():
         med, lo, hi = _bench.spread([samples / s for s in step_s[m]])
         values.update({f"{m}_samples_per_s": med, f"{m}_min": lo, f"{m}_max": hi,
                        f"{m}_step_s": _bench.spread(step_s[m])[0]})
+    if "awc" in methods and "awc_timeline" in methods:     # per round: the two ran back to back
+        values["awc_timeline/awc"] = _bench.spread([a / b for a, b in zip(step_s["awc_timeline"], step_s["awc"])])[0]
     if "ddp" in methods:
         values.update({f"{m}/ddp": values[f"{m}_samples_per_s"] / values["ddp_samples_per_s"]
                        for m in methods if m != "ddp"})
