@@ -44,6 +44,11 @@ def _env_int(name, default):
         raise ValueError(f"{name} must be an integer number of bytes, got {raw!r}") from None
 
 
+def _drain(iterator):
+    """Run an iterator to its end at C speed (collections.deque with maxlen 0)."""
+    collections.deque(iterator, maxlen=0)
+
+
 class Recv:
     """Wait until one entry has arrived for each (src, key); resumes with the entries."""
     __slots__ = ("keys",)
@@ -158,6 +163,7 @@ class Engine:
         self._coll_released = set()
         self._stopping = False
         self._sleeping = False         # the loop is (about to be) asleep: ring to wake it
+        self._rung = False             # a caller has rung since the loop last went to sleep
         self.doorbell = Doorbell(comm)
         self._thread = threading.Thread(target=self._run, name="bluefog-communication", daemon=True)
         self._thread.start()
@@ -178,7 +184,8 @@ class Engine:
             self._ops[op.handle] = op
             tl.begin(name, "ENQUEUE_" + kind)
             self._queue.append(op)
-        if self._sleeping:
+        if self._sleeping and not self._rung:   # one ring per sleep, not one per operation
+            self._rung = True
             self._wake()
         return op.handle
 
@@ -289,6 +296,7 @@ class Engine:
             os.sched_yield()     # stay on the CPU a moment: a sleep costs a cold wake-up
             return
         timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4)) if polling else self.progress_poke_s
+        self._rung = False
         self._sleeping = True     # set before looking at the queue: a submit after the look rings
         try:
             if self._queue or self._stopping:
@@ -395,17 +403,24 @@ class Engine:
 
     def _take_all(self, keys):
         """The entries for every (src, key), or None while any is missing."""
-        s = self.stream
-        if not all(s.has(src, key) for src, key in keys):
-            return None
-        return [s.take(src, key) for src, key in keys]
+        inbox = self.stream.inbox
+        queues = []
+        for k in keys:      # inlined StreamEndpoint.has/take: a fused group waits for many keys
+            q = inbox.get(k)
+            if not q or not q[0].ready:
+                return None
+            queues.append(q)
+        entries = [q.popleft() for q in queues]
+        for k, q in zip(keys, queues):
+            if not q:
+                inbox.pop(k, None)
+        return entries
 
     def _resume_if_received(self, op):
         value = self._take_all(op.wait.keys)
         if value is None:
             return False
-        for k in op.wait.keys:
-            self._waiters.pop(k, None)
+        _drain(map(self._waiters.pop, op.wait.keys, itertools.repeat(None)))
         self._step(op, value)
         return True
 
@@ -454,8 +469,7 @@ class Engine:
                 return
             value = self._take_all(w.keys)
             if value is None:
-                for k in w.keys:
-                    self._waiters[k] = op
+                self._waiters.update(zip(w.keys, itertools.repeat(op)))
                 return
 
     def _finish(self, op):

@@ -259,6 +259,16 @@ class _Topology:
         else:
             w = 1.0 / (len(self.in_ranks) + 1)
             self.self_weight, self.src_weights = w, {r: w for r in self.in_ranks}
+        # what a neighbor op without weights uses: (self_weight, src_weights, send plan,
+        # receive ranks, dynamic), built once (read-only: tasks never change it)
+        self.default_plan = (self.self_weight, dict(self.src_weights), [(d, None) for d in self.out_ranks],
+                             list(self.in_ranks), False)
+        self.default_plan_key = plan_key(*self.default_plan[:4])
+
+
+def plan_key(self_weight, src_weights, send_plan, recv_from):
+    """A hashable summary of a neighbor op's plan: ops with equal keys (and dtype) may be fused."""
+    return (self_weight, tuple(src_weights.items()), tuple(send_plan), tuple(recv_from))
 
 
 def _install_topology(G, is_weighted):

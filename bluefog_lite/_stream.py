@@ -12,6 +12,7 @@ so entries of one key arrive in the order they were sent; an entry that arrives
 before the local operation asks for it waits in the inbox.
 """
 import collections
+import itertools
 import pickle
 import struct
 
@@ -275,8 +276,12 @@ class StreamEndpoint:
             self.pending_recvs.append((req, slab))
             self.to_ring.add(src)
         inbox = self.inbox
-        for i, name in enumerate(slab.names):
-            inbox[(src, name)].append(Member(slab, i))
+        for key, member in zip(slab.keys(), map(Member, itertools.repeat(slab), range(len(slab.names)))):
+            q = inbox.get(key)
+            if q is None:
+                inbox[key] = collections.deque((member,))
+            else:
+                q.append(member)
 
     def test_recvs(self):
         """Mark large-tensor entries whose bytes have arrived as ready."""

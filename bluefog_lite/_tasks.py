@@ -279,7 +279,8 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
         out = torch.empty(sum(sizes), dtype=xs[0].dtype)
     with _Phases(names, "MEMCPY_IN_FUSION_BUFFER"):
         flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
-    desc = [(name, tuple(x.shape), n) for name, x, n in zip(names, xs, sizes)]
+    shapes = [tuple(x.shape) for x in xs]
+    desc = list(zip(names, shapes, sizes))
     with _Phases(names, "COMMUNICATE"):
         for dst, scale in send_plan:
             eng.send_tensor(lead, dst, None, flat if scale is None else scaled(flat, scale), desc)
@@ -289,8 +290,9 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
         entries = yield Recv([(src, name) for src in recv_from for name in names])
     try:
         k = len(names)
-        metas = [_meta(x) for x in xs]
-        parts = [_joined(entries[j * k:(j + 1) * k], metas, eng.stream.stats) for j in range(len(recv_from))]
+        dtype = _meta(xs[0])[0]
+        parts = [_joined(entries[j * k:(j + 1) * k], names, dtype, shapes, eng.stream.stats)
+                 for j in range(len(recv_from))]
         if any(p is None for p in parts):     # someone sent another shape or dtype
             return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
         with _Phases(names, "COMPUTE_AVERAGE"):
@@ -303,30 +305,37 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
         _release(entries)
 
 
-def _joined(entries, metas, stats):
-    """One flat tensor of the entries' values in order, or None when a meta differs
-    from ours. Consecutive members of one slab are taken as one region: a view when
-    all entries are (the neighbor grouped them as we did), else one concatenation."""
-    pieces, i, n = [], 0, len(entries)
+def _joined(entries, names, dtype, shapes, stats):
+    """One flat tensor of the entries' values in order, or None when a dtype or shape
+    differs from ours. When all entries are consecutive members of one slab (the
+    neighbor grouped them as we did) it is a view of the slab; otherwise runs of
+    consecutive members are taken as regions and concatenated with the rest."""
+    first, n = entries[0], len(entries)
+    if first.__class__ is Member:
+        slab, i = first.slab, first.index
+        # names are unique in a slab, so same names at i.. and same slab = consecutive
+        if slab.names[i:i + n] == names and all(e.__class__ is Member and e.slab is slab for e in entries):
+            if slab.dtype != dtype or slab.shapes[i:i + n] != shapes:
+                return None
+            stats["fused_joined_views"] += 1
+            return slab.region(i, n)
+    pieces, i = [], 0
     while i < n:
         e = entries[i]
-        if isinstance(e, Member):
+        if e.__class__ is Member:
             slab, first = e.slab, e.index
             j = i + 1
             while j < n and (f := entries[j]).__class__ is Member and f.slab is slab and f.index == first + j - i:
                 j += 1
-            if metas[i:j] != [(slab.dtype, shape) for shape in slab.shapes[first:first + j - i]]:
+            if slab.dtype != dtype or slab.shapes[first:first + j - i] != shapes[i:j]:
                 return None
             pieces.append(slab.region(first, j - i))
             i = j
         else:
-            if not e.is_tensor or e.meta != metas[i]:
+            if not e.is_tensor or e.meta != (dtype, shapes[i]):
                 return None
             pieces.append(e.value.reshape(-1))
             i += 1
-    if len(pieces) == 1:
-        stats["fused_joined_views"] += 1
-        return pieces[0]
     stats["fused_joined_copies"] += 1
     return torch.cat(pieces)
 

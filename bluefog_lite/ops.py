@@ -11,7 +11,7 @@ import torch
 
 from . import _tasks
 from ._engine import Fusable
-from ._runtime import state
+from ._runtime import plan_key, state
 
 _REDUCIBLE = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
               torch.uint8}
@@ -216,6 +216,8 @@ def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind):
 
 def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind):
     """(self_weight, src_weights, send_plan, recv_from, dynamic) for a neighbor op."""
+    if self_weight is None and src_weights is None and dst_weights is None:
+        return topo.default_plan
     sw, srcw = _static_or_given_weights(self_weight, src_weights, topo, size, me, kind)
     if dst_weights is None:
         stray = sorted(set(srcw) - set(topo.in_ranks))
@@ -247,7 +249,9 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
     check = bool(enable_topo_check) and dynamic
     fuse = None
     if not check:   # ops of one plan and dtype admitted together run as one (see _engine._fuse)
-        key = (x.dtype, sw, tuple(srcw.items()), tuple(plan), tuple(recv_from))
+        topo = st.topology
+        key = (x.dtype, topo.default_plan_key if plan is topo.default_plan[2] else
+               plan_key(sw, srcw, plan, recv_from))
         fuse = Fusable(key, x.numel() * x.element_size(), x, lambda e, lead, members: (
             _tasks.neighbor_allreduce_fused(e, lead, members, sw, srcw, plan, recv_from)))
     return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _tasks.neighbor_allreduce(

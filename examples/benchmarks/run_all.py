@@ -59,7 +59,8 @@ def plan(quick, agent_counts, main_agents):
     if not quick:
         jobs.append(("windows", "bench_windows.py", main_agents, ["--rounds", "5", "--parts", "busy,side"]))
     jobs.append(("training", "bench_training.py", main_agents, training))
-    jobs.append(("timeline", "bench_timeline.py", main_agents, timeline))
+    for n in sorted({min(agent_counts), main_agents}):   # also the fewest agents (2 on 2 cores: not oversubscribed)
+        jobs.append(("timeline", "bench_timeline.py", n, timeline))
     return jobs
 
 
