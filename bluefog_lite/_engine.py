@@ -44,6 +44,15 @@ def _env_int(name, default):
         raise ValueError(f"{name} must be an integer number of bytes, got {raw!r}") from None
 
 
+def _fused_with(op):
+    """' (fused with 'b', 'c')' for the lead of a fused group (messages name every member)."""
+    if not op.riders:
+        return ""
+    names = [r.name for r in op.riders]
+    shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f" (fused with {shown})"
+
+
 def _drain(iterator):
     """Run an iterator to its end at C speed (collections.deque with maxlen 0)."""
     collections.deque(iterator, maxlen=0)
@@ -532,12 +541,12 @@ class Engine:
             if not op.warned and waited > self.stall_warning_s:
                 op.warned = True
                 sys.stderr.write(
-                    f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r} has waited "
-                    f"{waited:.1f} s for ranks {self._missing(op)} that have not joined it\n")
+                    f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
+                    f"waited {waited:.1f} s for ranks {self._missing(op)} that have not joined it\n")
                 sys.stderr.flush()
             if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.finished_task:
                 op.error = OpTimeout(
-                    f"{op.kind} {op.name!r} timed out after {waited:.1f} s "
+                    f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
                     f"waiting for ranks {self._missing(op)}")
                 op.task.close()
