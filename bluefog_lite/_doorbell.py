@@ -9,13 +9,30 @@ writes one byte to the peer's socket, and an idle communication thread sleeps
 in ``select()`` on its own socket. The kernel wakes it at once, and sleeping
 costs no CPU. Callers ring their own agent's bell to hand it new operations.
 
+A ring is a system call for the sender and a spurious wake-up for a thread that
+is not asleep, so agents on the same host also share a page of *sleep flags*
+(a file in /dev/shm, unlinked as soon as every agent has mapped it): a thread
+sets its flag just before it sleeps, and a peer rings only while the flag is
+set. A thread that sets its flag looks for work once more before it sleeps
+(Engine._sleep), so a peer that found the flag clear has already left
+something that look finds; the engine's timed MPI poke is the safety net.
+
 Peers on other hosts, and platforms without abstract sockets, are not rung:
 for them the engine keeps its polling timeout (see Engine._sleep).
 """
+import mmap
+import os
 import secrets
 import select
 import socket
 import sys
+
+_LINE = 64     # one cache line per agent: a flag written often does not slow its neighbors' reads
+
+
+def _marker(token, rank):
+    """What agent rank writes after its flag: a peer that reads it back shares the page."""
+    return f"{token}:{rank}".encode().ljust(_LINE - 1, b"\0")[:_LINE - 1]
 
 
 class Doorbell:
@@ -32,8 +49,37 @@ class Doorbell:
                       if view == mine and self.sock is not None and r != comm.rank}
         # every rank the bell reaches, so the engine may sleep long while waiting only on them
         self.covers_all = self.sock is not None and len(self.peers) == comm.size - 1
-        self.rings = 0
-        comm.Barrier()     # every bell bound before anyone rings
+        self.rings = self.rings_skipped = 0
+        path = f"/dev/shm/bluefog_lite.{token}.{mine[0].replace('/', '_')}"
+        flags = self._map_flags(path, comm.size) if self.peers else None
+        if flags is not None:
+            flags[comm.rank * _LINE + 1:(comm.rank + 1) * _LINE] = _marker(token, comm.rank)
+        comm.Barrier()     # every bell bound (and every flag page mapped and marked) before anyone rings
+        self.flags, self._flag_at, self._flag_of = flags, comm.rank * _LINE, {}
+        if flags is not None:
+            try:
+                os.unlink(path)          # every local agent has it mapped: nothing is left behind
+            except OSError:
+                pass
+            # a peer whose marker is missing maps another page (another /dev/shm): always ring it
+            self._flag_of = {r: r * _LINE for r in self.peers
+                             if flags[r * _LINE + 1:(r + 1) * _LINE] == _marker(token, r)}
+
+    @staticmethod
+    def _map_flags(path, size):
+        """The shared page of sleep flags, or None where it cannot be had (no
+        /dev/shm): then every ring is sent."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, size * _LINE)    # every agent sets the same size: creation order does not matter
+            return mmap.mmap(fd, size * _LINE)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _address(token, rank):
@@ -55,10 +101,19 @@ class Doorbell:
         sock.setblocking(False)
         return sock
 
+    def asleep(self, flag):
+        """Tell the peers that this agent's communication thread sleeps (ring it) or not."""
+        if self.flags is not None:
+            self.flags[self._flag_at] = flag
+
     def ring(self, rank):
-        """Wake rank's communication thread (no-op for a peer this bell cannot reach)."""
+        """Wake rank's communication thread if it sleeps (no-op for a peer this bell cannot reach)."""
         address = self.peers.get(rank)
         if address is None:
+            return
+        at = self._flag_of.get(rank)
+        if at is not None and not self.flags[at]:
+            self.rings_skipped += 1      # awake: it will look for work before it sleeps
             return
         self.rings += 1
         try:
@@ -91,3 +146,6 @@ class Doorbell:
             self.sock = None
             self.peers = {}
             self.covers_all = False
+        if self.flags is not None:
+            self.flags.close()
+            self.flags, self._flag_of = None, {}

@@ -53,6 +53,9 @@ def _fused_with(op):
     return f" (fused with {shown})"
 
 
+_yield = os.sched_yield
+
+
 def _drain(iterator):
     """Run an iterator to its end at C speed (collections.deque with maxlen 0)."""
     collections.deque(iterator, maxlen=0)
@@ -272,8 +275,9 @@ class Engine:
         status = MPI.Status()
         idle_since = last_inspect = time.monotonic()
         while True:
-            moved = self._admit()
-            moved |= self._progress(status)
+            moved = self._admit() if self._queue else False
+            if self._progress(status):
+                moved = True
             if self.mark_cycles and moved:
                 tl.instant("cycle", "CYCLE_START")
             now = time.monotonic()
@@ -286,45 +290,63 @@ class Engine:
                 continue
             if self._stopping and not self._active and not self._queue and not self._sends_pending():
                 return
-            self._sleep(now - idle_since)
+            if self._sleep(now - idle_since, status):
+                idle_since = time.monotonic()
 
-    def _sleep(self, waited):
-        """Wait for the next poll.
+    def _sleep(self, waited, status):
+        """Wait for the next poll; True if the last look before sleeping found work.
 
         While operations are active, first yield the CPU for a short window
         (replies take ~0.1-0.3 ms, and a sleep costs a cold wake-up: with 2 agents
         on 2 cores, 4 KB ops took 0.8 ms sleeping at once, 0.25 ms yielding first).
-        Then, if progress needs MPI calls (data transfers or collectives in flight,
-        or peers on other hosts, which cannot ring): sleep a quarter of the time
+        Then, if progress needs MPI calls (receives or collectives in flight, or
+        peers on other hosts, which cannot ring): sleep a quarter of the time
         waited so far (detection adds <= 25%), at most wait_sleep_max_s. Otherwise
-        sleep until rung (a peer sent something, a caller enqueued), with a slow
-        MPI poke (progress_poke_s) as a safety net."""
+        sleep until rung (a peer sent something or took what this agent sent, a
+        caller enqueued), with a slow MPI poke (progress_poke_s) as a safety net.
+        The sleep flag goes up before the last look for work, so that a peer
+        either sees it and rings or has left what the look finds."""
+        if waited < self.yield_window_s and (self._active or self.stream.pending_recvs):
+            _yield()     # stay on the CPU a moment: a sleep costs a cold wake-up
+            return False
         bell = self.doorbell
-        polling = (self._active and (self._polled or not bell.covers_all)) or self._sends_pending()
-        if (polling or self._active) and waited < self.yield_window_s:
-            os.sched_yield()     # stay on the CPU a moment: a sleep costs a cold wake-up
-            return
+        polling = self._needs_polling()
         timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4)) if polling else self.progress_poke_s
         self._rung = False
         self._sleeping = True     # set before looking at the queue: a submit after the look rings
+        bell.asleep(1)
         try:
-            if self._queue or self._stopping:
-                return
+            if self._queue or self._stopping or self._progress(status):
+                return True
             if bell.sock is not None:
                 bell.wait(timeout)
             else:
                 with self._cv:
                     if not self._queue and not self._stopping:
                         self._cv.wait(timeout)
+            return False
         finally:
+            bell.asleep(0)
             self._sleeping = False
+
+    def _needs_polling(self):
+        """True while progress depends on MPI calls that no ring announces: data
+        being received, collectives and timed waits, peers the bell cannot reach.
+        Sends are not among them: the receiver rings back when it has taken them."""
+        s = self.stream
+        if s.pending_recvs:
+            return True
+        if not self.doorbell.covers_all:
+            return bool(self._active) or bool(s.sent_packets)
+        for op in self._polled:
+            if not op.finished_task and not isinstance(op.wait, Turn):
+                return True
+        return False
 
     def _sends_pending(self):
         return bool(self.stream.sent_packets or self.stream.pending_recvs)
 
     def _admit(self):
-        if not self._queue:
-            return False
         with self._lock:
             new, self._queue = list(self._queue), collections.deque()
         for op in new:
@@ -387,7 +409,8 @@ class Engine:
     def _progress(self, status):
         s = self.stream
         moved = s.receive(status)
-        moved |= s.test_recvs()
+        if s.pending_recvs and s.test_recvs():
+            moved = True
         if s.sent_packets:
             s.sent_packets = [(r, p) for r, p in s.sent_packets if not r.Test()]
         if s.arrived:
@@ -404,10 +427,12 @@ class Engine:
             for op in woken:
                 if isinstance(op.wait, Recv) and self._resume_if_received(op):
                     moved = True
-        for op in list(self._polled):
-            if self._advance(op):
-                moved = True
-        moved |= self._flush()
+        if self._polled:
+            for op in list(self._polled):
+                if self._advance(op):
+                    moved = True
+        if (s.outboxes or s.to_ring or self._completing) and self._flush():
+            moved = True
         return moved
 
     def _take_all(self, keys):

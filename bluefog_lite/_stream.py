@@ -26,8 +26,13 @@ _FIRST_DATA_TAG = 2
 _DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20)
 _ALIGN = 64
 _HEAD = struct.Struct("<Q")
+# A packet at least this large may have been sent by rendezvous (MPICH's shared-memory
+# eager limit is ~8 KB, Open MPI's 4 KB): its sender cannot complete the send until it
+# makes an MPI call after this agent took the bytes, so the receiver rings it back.
+_RING_BACK_BYTES = 4096
 
 _KIND_TENSOR, _KIND_OBJECT, _KIND_GROUP = 0, 1, 2
+_ANY_SOURCE = MPI.ANY_SOURCE
 
 
 def _aligned(n):
@@ -227,16 +232,19 @@ class StreamEndpoint:
     # ---- receiving -----------------------------------------------------
     def receive(self, status):
         """Drain every packet that has arrived; returns True if any did."""
-        got = False
-        while True:
-            msg = self.comm.Improbe(MPI.ANY_SOURCE, STREAM_TAG, status)
-            if msg is None:
-                return got
-            got = True
+        improbe = self.comm.Improbe
+        msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
+        if msg is None:
+            return False
+        while msg is not None:
             src = status.Get_source()
             packet = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
             msg.Recv([packet, MPI.BYTE])
+            if packet.size >= _RING_BACK_BYTES:
+                self.to_ring.add(src)
             self._unpack(src, packet)
+            msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
+        return True
 
     def _unpack(self, src, packet):
         (hlen,) = _HEAD.unpack_from(packet, 0)
@@ -259,7 +267,6 @@ class StreamEndpoint:
                 entry.value = _as_tensor(buf, meta)
                 req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
                 self.pending_recvs.append((req, entry))
-                self.to_ring.add(src)     # the sender's side of the transfer needs its progress too
             self.inbox[(src, key)].append(entry)
 
     def _unpack_group(self, src, meta, loc, packet, start):
@@ -274,7 +281,6 @@ class StreamEndpoint:
             slab.flat = _as_tensor(buf, (dtype, (slab.offsets[-1],)))
             req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
             self.pending_recvs.append((req, slab))
-            self.to_ring.add(src)
         inbox = self.inbox
         for key, member in zip(slab.keys(), map(Member, itertools.repeat(slab), range(len(slab.names)))):
             q = inbox.get(key)
@@ -284,13 +290,15 @@ class StreamEndpoint:
                 q.append(member)
 
     def test_recvs(self):
-        """Mark large-tensor entries whose bytes have arrived as ready."""
+        """Mark large-tensor entries whose bytes have arrived as ready (and ring
+        their senders back: their sends can complete now)."""
         if not self.pending_recvs:
             return False
         still, done = [], False
         for req, entry in self.pending_recvs:
             if req.Test():
                 entry.ready = done = True
+                self.to_ring.add(entry.src)
                 if isinstance(entry, Slab):
                     self.arrived.extend(entry.keys())
                 else:

@@ -2,6 +2,7 @@
 import os
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -29,9 +30,35 @@ class FakeComm:
         pass
 
 
+class BarrierComm(FakeComm):
+    """A FakeComm whose agents are threads of this process that meet at Barrier()."""
+
+    def __init__(self, rank, size, token, barrier):
+        super().__init__(rank, size, token)
+        self.barrier = barrier
+
+    def Barrier(self):
+        self.barrier.wait(10)
+
+
 def pair(hosts=None):
     token = os.urandom(6).hex()
     return [Doorbell(FakeComm(r, 2, token, hosts)) for r in range(2)]
+
+
+def pair_sharing_flags(size=2):
+    """Doorbells created at the same time (as real agents do), so they share their sleep flags."""
+    token, barrier = os.urandom(6).hex(), threading.Barrier(size)
+    bells = [None] * size
+
+    def make(r):
+        bells[r] = Doorbell(BarrierComm(r, size, token, barrier))
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return bells
 
 
 def test_a_ring_wakes_the_peer_and_is_consumed():
@@ -92,3 +119,47 @@ def test_ringing_a_closed_peer_is_harmless():
     b.close()
     a.ring(1)
     a.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="sleep flags live in /dev/shm")
+def test_an_awake_peer_is_not_rung_a_sleeping_one_is():
+    a, b = pair_sharing_flags()
+    try:
+        assert a.flags is not None and 1 in a._flag_of
+        a.ring(1)                          # b has not said it sleeps: no ring, nothing to drain
+        assert (a.rings, a.rings_skipped) == (0, 1)
+        assert b.wait(0) is False
+        b.asleep(1)
+        a.ring(1)
+        assert a.rings == 1
+        assert b.wait(1.0) is True
+        b.asleep(0)
+        a.ring(1)
+        assert (a.rings, a.rings_skipped) == (1, 2)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="sleep flags live in /dev/shm")
+def test_the_flag_page_leaves_nothing_in_dev_shm():
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("bluefog_lite.")}
+    bells = pair_sharing_flags(3)
+    try:
+        after = {f for f in os.listdir("/dev/shm") if f.startswith("bluefog_lite.")}
+        assert after == before
+        assert all(sorted(b._flag_of) == sorted(set(range(3)) - {b.rank}) for b in bells)
+    finally:
+        for b in bells:
+            b.close()
+
+
+def test_bells_that_do_not_share_a_flag_page_always_ring():
+    a, b = pair()                          # made one after the other: b maps a page of its own
+    try:
+        b.asleep(0)
+        a.ring(1)
+        assert a.rings == 1 and b.wait(1.0) is True
+    finally:
+        a.close()
+        b.close()
