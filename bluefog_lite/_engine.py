@@ -54,6 +54,7 @@ def _fused_with(op):
 
 
 _yield = os.sched_yield
+_monotonic = time.monotonic
 
 
 def _drain(iterator):
@@ -182,7 +183,7 @@ class Engine:
 
     # ---- caller side -----------------------------------------------------
     def submit(self, name, kind, task, fuse=None):
-        """Enqueue generator ``task`` (created with the Op as argument) and return its handle.
+        """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
         ``fuse``: a Fusable, if the op may run fused with others of the same key."""
         with self._lock:
             if self._stopping:
@@ -191,10 +192,11 @@ class Engine:
                 raise ValueError(f"an operation named {name!r} is already in flight on this agent "
                                  "(not yet synchronized); synchronize it before reusing the name")
             op = Op(next(self._handles), name, kind, None, fuse)
-            op.task = task(op)
+            op.task = task(self, op)
             self._names.add(name)
             self._ops[op.handle] = op
-            tl.begin(name, "ENQUEUE_" + kind)
+            if tl.current is not None:
+                tl.begin(name, "ENQUEUE_" + kind)
             self._queue.append(op)
         if self._sleeping and not self._rung:   # one ring per sleep, not one per operation
             self._rung = True
@@ -248,8 +250,9 @@ class Engine:
         self.comm.Free()
 
     # ---- helpers used by tasks (comm thread) ------------------------------
-    def send_tensor(self, op, dst, key, t, members=None):
-        self.stream.queue_tensor(dst, key, t, op.data_requests, members)
+    def send_tensor(self, op, dst, key, out):
+        """Queue Outgoing out (see _stream.py) for dst under key."""
+        self.stream.queue_tensor(dst, key, out, op.data_requests)
 
     def send_object(self, dst, key, obj):
         self.stream.queue_object(dst, key, obj)
@@ -275,10 +278,17 @@ class Engine:
         status = MPI.Status()
         idle_since = last_inspect = time.monotonic()
         while True:
-            moved = self._admit() if self._queue else False
+            marked = False
+            if self._queue:
+                if self.mark_cycles:    # before the work: the caller may stop the timeline once it is done
+                    tl.instant("cycle", "CYCLE_START")
+                    marked = True
+                moved = self._admit()
+            else:
+                moved = False
             if self._progress(status):
                 moved = True
-            if self.mark_cycles and moved:
+            if self.mark_cycles and moved and not marked:
                 tl.instant("cycle", "CYCLE_START")
             now = time.monotonic()
             if now - last_inspect > 0.5:
@@ -349,8 +359,9 @@ class Engine:
     def _admit(self):
         with self._lock:
             new, self._queue = list(self._queue), collections.deque()
-        for op in new:
-            tl.begin(op.name, "MPI_" + op.kind)
+        if tl.current is not None:
+            for op in new:
+                tl.begin(op.name, "MPI_" + op.kind)
         for op in (self._fuse(new) if len(new) > 1 else new):
             self._active.add(op)
             self._step(op, None)
@@ -399,10 +410,12 @@ class Engine:
             s.to_ring.clear()
         if self._completing:
             done, self._completing = self._completing, []
+            recording = tl.current is not None
             for op in done:
-                tl.end(op.name)
-                # before set_done(): the caller may resubmit the name as soon as it wakes
-                tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
+                if recording:
+                    tl.end(op.name)
+                    # before set_done(): the caller may resubmit the name as soon as it wakes
+                    tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
                 op.set_done()
         return sent
 
@@ -417,15 +430,16 @@ class Engine:
             # only operations that something arrived for are looked at
             arrived, s.arrived = s.arrived, []
             woken = {}     # each op once (a fused group waits for many keys), in order
+            discard, waiters = self._discard, self._waiters
             for key in arrived:
-                if key in self._discard:
+                if discard and key in discard:
                     self._drop_stale(key)
                     continue
-                op = self._waiters.get(key)
+                op = waiters.get(key)
                 if op is not None:
                     woken[op] = None
             for op in woken:
-                if isinstance(op.wait, Recv) and self._resume_if_received(op):
+                if op.wait.__class__ is Recv and self._resume_if_received(op):
                     moved = True
         if self._polled:
             for op in list(self._polled):
@@ -455,6 +469,7 @@ class Engine:
         if value is None:
             return False
         _drain(map(self._waiters.pop, op.wait.keys, itertools.repeat(None)))
+        op.wait = None      # no longer waiting: _finish has no waiters to forget
         self._step(op, value)
         return True
 
@@ -496,9 +511,9 @@ class Engine:
                 self._finish(op)
                 return
             op.wait = w
-            op.waiting_since = time.monotonic()
+            op.waiting_since = _monotonic()
             op.warned = False
-            if not isinstance(w, Recv):
+            if w.__class__ is not Recv:
                 self._polled.add(op)
                 return
             value = self._take_all(w.keys)
@@ -509,10 +524,11 @@ class Engine:
     def _finish(self, op):
         op.finished_task = True
         op.data_requests = []
-        self.posted_collective(op)
+        if op.coll_seq is not None:
+            self.posted_collective(op)
         self._active.discard(op)
         self._polled.discard(op)
-        if isinstance(op.wait, Recv):
+        if op.wait.__class__ is Recv:     # finished while waiting (an error, a timeout)
             for k in op.wait.keys:
                 if self._waiters.get(k) is op:
                     del self._waiters[k]

@@ -26,26 +26,67 @@ _FIRST_DATA_TAG = 2
 _DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20)
 _ALIGN = 64
 _HEAD = struct.Struct("<Q")
-# A packet at least this large may have been sent by rendezvous (MPICH's shared-memory
-# eager limit is ~8 KB, Open MPI's 4 KB): its sender cannot complete the send until it
-# makes an MPI call after this agent took the bytes, so the receiver rings it back.
-_RING_BACK_BYTES = 4096
 
 _KIND_TENSOR, _KIND_OBJECT, _KIND_GROUP = 0, 1, 2
 _ANY_SOURCE = MPI.ANY_SOURCE
+_BYTE = MPI.BYTE
 
 
 def _aligned(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+_EMPTY = np.empty(0, np.uint8)
+_PADDING = [bytes(n) for n in range(_ALIGN)]
+
+
 def tensor_bytes(t):
     """A flat uint8 numpy view of a contiguous CPU tensor (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    if not t.numel():
+        return _EMPTY
+    try:
+        return t.numpy().reshape(-1).view(np.uint8)     # half the cost of the torch route
+    except (TypeError, RuntimeError):     # no numpy dtype (bfloat16), needs grad, conjugate bit
+        return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _dtype_name(t):
-    return str(t.dtype).replace("torch.", "")
+_dtype_names = {}      # torch dtype -> "float32"
+_dtypes = {}           # "float32" -> (torch dtype, numpy dtype or None)
+
+
+def dtype_name(dtype):
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _dtypes_of(name):
+    found = _dtypes.get(name)
+    if found is None:
+        tdt = getattr(torch, name)
+        try:
+            npdt = torch.empty(0, dtype=tdt).numpy().dtype
+        except TypeError:
+            npdt = None
+        found = _dtypes[name] = (tdt, npdt)
+    return found
+
+
+class Outgoing:
+    """A tensor described once for every destination it goes to: its kind, meta
+    (dtype, shape) or (dtype, members), bytes and size."""
+    __slots__ = ("kind", "meta", "raw", "nbytes", "tensor")
+
+    def __init__(self, t, members=None):
+        name = dtype_name(t.dtype)
+        if members is None:
+            self.kind, self.meta = _KIND_TENSOR, (name, tuple(t.shape))
+        else:
+            self.kind, self.meta = _KIND_GROUP, (name, members)
+        self.raw = tensor_bytes(t)
+        self.nbytes = self.raw.nbytes
+        self.tensor = t
 
 
 class Entry:
@@ -129,18 +170,21 @@ class Member:
 
 def _as_tensor(raw, meta):
     dtype, shape = meta
-    tdt = getattr(torch, dtype)
+    tdt, npdt = _dtypes_of(dtype)
     if raw.size == 0:
         return torch.empty(shape, dtype=tdt)
+    if npdt is not None:
+        return torch.from_numpy(np.ndarray(shape, npdt, raw))   # ~half the cost of torch views
     return torch.from_numpy(raw).view(tdt).reshape(shape)
 
 
 class Outbox:
-    """What one agent will send to one destination in the next flush."""
-    __slots__ = ("entries", "inline_bytes", "payloads")
+    """What one agent will send to one destination in the next flush: the entries
+    and the pieces of the packet's body (inline bytes, each padded to _ALIGN)."""
+    __slots__ = ("entries", "inline_bytes", "pieces")
 
     def __init__(self):
-        self.entries, self.payloads, self.inline_bytes = [], [], 0
+        self.entries, self.pieces, self.inline_bytes = [], [], 0
 
 
 class StreamEndpoint:
@@ -163,35 +207,33 @@ class StreamEndpoint:
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
 
     # ---- sending -------------------------------------------------------
-    def queue_tensor(self, dst, key, t, data_requests, members=None):
-        """Queue contiguous tensor ``t`` for ``dst``. Large tensors get their own
-        message (its request is appended to ``data_requests``); small ones go inline.
-        With ``members`` [(name, shape, numel)], ``t`` is the flat buffer of a fused
-        group and the receiver files each member under its own name (``key`` unused)."""
+    def queue_tensor(self, dst, key, out, data_requests):
+        """Queue Outgoing ``out`` for ``dst``. Large tensors get their own message
+        (its request is appended to ``data_requests``); small ones go inline. For a
+        fused group (out.kind _KIND_GROUP) the receiver files each member under its
+        own name (``key`` unused)."""
         box = self.outboxes.get(dst)
         if box is None:
             box = self.outboxes[dst] = Outbox()
-        if members is None:
-            kind, meta = _KIND_TENSOR, (_dtype_name(t), tuple(t.shape))
-        else:
-            kind, meta = _KIND_GROUP, (_dtype_name(t), members)
-        nbytes = t.numel() * t.element_size()
+        nbytes = out.nbytes
         if nbytes <= self.inline_limit:
             if box.inline_bytes + nbytes > self.fusion_threshold and box.entries:
                 self.flush_one(dst)
                 box = self.outboxes[dst] = Outbox()
-            box.entries.append((key, kind, meta, ("i", box.inline_bytes, nbytes)))
-            box.payloads.append(t)
-            box.inline_bytes += _aligned(nbytes)
+            box.entries.append((key, out.kind, out.meta, ("i", box.inline_bytes, nbytes)))
+            padded = _aligned(nbytes)
+            box.pieces.append(out.raw)
+            if padded != nbytes:
+                box.pieces.append(_PADDING[padded - nbytes])
+            box.inline_bytes += padded
             return
         tag = _FIRST_DATA_TAG + self._next_tag[dst] % _DATA_TAGS
         self._next_tag[dst] += 1
-        box.entries.append((key, kind, meta, ("t", tag, nbytes)))
+        box.entries.append((key, out.kind, out.meta, ("t", tag, nbytes)))
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
         self.stats["data_messages"] += 1
-        data_requests.append((self.comm.Isend([tensor_bytes(t), nbytes, MPI.BYTE], dst, tag), t))
-        self.to_ring.add(dst)
+        data_requests.append((self.comm.Isend([out.raw, nbytes, MPI.BYTE], dst, tag), out.tensor))
 
     def queue_object(self, dst, key, obj):
         box = self.outboxes.get(dst)
@@ -200,22 +242,14 @@ class StreamEndpoint:
         box.entries.append((key, _KIND_OBJECT, obj, None))
 
     def flush_one(self, dst):
-        """Send dst's pending entries as one packet; returns (request, packet)."""
+        """Send dst's pending entries as one packet; returns its request."""
         box = self.outboxes.pop(dst, None)
         if box is None or not box.entries:
             return None
         header = pickle.dumps(box.entries, protocol=pickle.HIGHEST_PROTOCOL)
-        start = _aligned(_HEAD.size + len(header))
-        packet = np.empty(start + box.inline_bytes, dtype=np.uint8)
-        _HEAD.pack_into(packet, 0, len(header))
-        packet[_HEAD.size:_HEAD.size + len(header)] = np.frombuffer(header, np.uint8)
-        i = 0
-        for _key, kind, _meta, loc in box.entries:
-            if kind != _KIND_OBJECT and loc[0] == "i":
-                off, n = loc[1], loc[2]
-                if n:
-                    packet[start + off:start + off + n] = tensor_bytes(box.payloads[i])
-                i += 1
+        used = _HEAD.size + len(header)
+        # one join copies the header and every inline payload (padded) into the packet
+        packet = b"".join([_HEAD.pack(len(header)), header, _PADDING[_aligned(used) - used], *box.pieces])
         req = self.comm.Isend([packet, MPI.BYTE], dst, STREAM_TAG)
         self.stats["packets"] += 1
         self.stats["entries"] += len(box.entries)
@@ -237,12 +271,9 @@ class StreamEndpoint:
         if msg is None:
             return False
         while msg is not None:
-            src = status.Get_source()
-            packet = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-            msg.Recv([packet, MPI.BYTE])
-            if packet.size >= _RING_BACK_BYTES:
-                self.to_ring.add(src)
-            self._unpack(src, packet)
+            packet = np.empty(status.Get_count(_BYTE), dtype=np.uint8)
+            msg.Recv([packet, _BYTE])
+            self._unpack(status.Get_source(), packet)
             msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
         return True
 
@@ -290,8 +321,8 @@ class StreamEndpoint:
                 q.append(member)
 
     def test_recvs(self):
-        """Mark large-tensor entries whose bytes have arrived as ready (and ring
-        their senders back: their sends can complete now)."""
+        """Mark large-tensor entries whose bytes have arrived as ready, and ring their
+        senders back: the operation that sent them completes once its send has."""
         if not self.pending_recvs:
             return False
         still, done = [], False

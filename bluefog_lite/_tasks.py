@@ -9,7 +9,7 @@ import torch
 
 from ._engine import Recv, Requests, Turn
 from ._mpi import MPI
-from ._stream import Member, tensor_bytes
+from ._stream import Member, Outgoing, dtype_name, tensor_bytes
 from .timeline import _recorder as tl
 
 
@@ -35,18 +35,38 @@ class _Phases:
         self.names, self.activity = names, activity
 
     def __enter__(self):
-        if tl.current is not None:
-            for name in self.names:
-                tl.begin(name, self.activity)
+        for name in self.names:
+            tl.begin(name, self.activity)
 
     def __exit__(self, *exc):
-        if tl.current is not None:
-            for name in self.names:
-                tl.end(name)
+        for name in self.names:
+            tl.end(name)
+
+
+class _Off:
+    """What _phase and _phases give while the timeline is off: nothing to record."""
+    __slots__ = ()
+
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
+
+
+_OFF = _Off()
+
+
+def _phase(name, activity):
+    return _OFF if tl.current is None else _Phase(name, activity)
+
+
+def _phases(names, activity):
+    return _OFF if tl.current is None else _Phases(names, activity)
 
 
 def _describe(t):
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
 def _check_same(op, x, entries, what="shape and dtype"):
@@ -57,13 +77,23 @@ def _check_same(op, x, entries, what="shape and dtype"):
                              f"has {_describe(x)}; neighbors must pass tensors of the same {what}")
 
 
+def _convex(self_weight, terms):
+    """True when self_weight and the (positive) term weights sum to 1."""
+    total = self_weight
+    for _, w in terms:
+        if w <= 0:
+            return False
+        total += w
+    return abs(total - 1.0) < 1e-9
+
+
 def weighted_sum(out, x, self_weight, terms):
     """out = self_weight * x + sum(w * v); integers are summed in float64 and rounded.
     out may be x itself (in place)."""
-    if out.is_floating_point() or out.is_complex():
-        terms = [(v, w) for v, w in terms if w != 0]
-        if (terms and out.is_floating_point() and self_weight >= 0 and all(w > 0 for _, w in terms)
-                and abs(self_weight + sum(w for _, w in terms) - 1.0) < 1e-9):
+    floating = out.is_floating_point()
+    if floating or out.is_complex():
+        terms = [t for t in terms if t[1] != 0]
+        if floating and terms and self_weight >= 0 and _convex(self_weight, terms):
             # A convex combination (a mixing matrix's column): a chain of lerps, each
             # the running average of the terms so far. One pass over memory per
             # neighbor where mul + add_ take one more (64 MB, one neighbor: -23%).
@@ -107,7 +137,7 @@ def exchange_headers(eng, op, payload):
     others = [r for r in range(eng.size) if r != eng.rank]
     for r in others:
         eng.send_object(r, key, me)
-    with _Phase(op.name, "NEGOTIATION"):
+    with _phase(op.name, "NEGOTIATION"):
         entries = yield Recv([(r, key) for r in others])
     views = [None] * eng.size
     views[eng.rank] = me
@@ -140,7 +170,7 @@ def _meta_text(meta):
 
 
 def _meta(t):
-    return (str(t.dtype).replace("torch.", ""), tuple(t.shape))
+    return (dtype_name(t.dtype), tuple(t.shape))
 
 
 # ---- collectives -----------------------------------------------------------
@@ -149,7 +179,7 @@ def _collective_call(eng, op, nonempty, post, what):
     """In the global collective order: make the MPI call (none for empty tensors),
     let later collectives go, and wait for it."""
     yield Turn(op.coll_seq)
-    with _Phase(op.name, "COMMUNICATE"):
+    with _phase(op.name, "COMMUNICATE"):
         req = post() if nonempty else None
         eng.posted_collective(op)
         if req is not None:
@@ -160,13 +190,13 @@ def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x))
     _same_meta_or_raise(op, views, _meta_text)
-    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+    with _phase(op.name, "ALLOCATE_OUTPUT"):
         out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
     src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
     yield from _collective_call(eng, op, out.numel() > 0,
                                 lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
     if average:
-        with _Phase(op.name, "COMPUTE_AVERAGE"):
+        with _phase(op.name, "COMPUTE_AVERAGE"):
             if out.is_floating_point():
                 out.div_(eng.size)
             else:
@@ -180,7 +210,7 @@ def allreduce(eng, op, x, average, target):
 def broadcast(eng, op, x, root, target):
     views = yield from exchange_headers(eng, op, (root, _meta(x)))
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
-    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+    with _phase(op.name, "ALLOCATE_OUTPUT"):
         if target is not None and target.is_contiguous():
             out = target
         else:
@@ -203,7 +233,7 @@ def allgather(eng, op, x):
         listing = ", ".join(f"rank {r}: {_meta_text(v)}" for r, v in enumerate(views))
         raise ValueError(f"{op.kind} {op.name!r}: tensors must have at least one dimension and agree "
                          f"on dtype and all dimensions but the first ({listing})")
-    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+    with _phase(op.name, "ALLOCATE_OUTPUT"):
         firsts = [shape[0] for _, shape in views]
         out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)
         row = _row_bytes(x)
@@ -242,10 +272,18 @@ def _topology_check(eng, op, sends, recvs):
                          + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
 
 
-def _send_all(eng, op, key, x, send_plan):
+def _send_all(eng, op, key, x, send_plan, members=None):
+    """Send x to every (dst, scale) of the plan (scaled copies where scale is not None)."""
+    same = None
     for dst, scale in send_plan:
-        eng.send_tensor(op, dst, key, x if scale is None else scaled(x, scale))
-    _mark_sends(op.name, (dst for dst, _ in send_plan))
+        if scale is None:
+            if same is None:
+                same = Outgoing(x, members)
+            eng.send_tensor(op, dst, key, same)
+        else:
+            eng.send_tensor(op, dst, key, Outgoing(scaled(x, scale), members))
+    if members is None:     # a fused group marks each member's row itself
+        _mark_sends(op.name, (dst for dst, _ in send_plan))
 
 
 def _mark_sends(name, dsts):
@@ -267,14 +305,14 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
     name = op.name
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
-    with _Phase(name, "ALLOCATE_OUTPUT"):
+    with _phase(name, "ALLOCATE_OUTPUT"):
         out = torch.empty_like(x)
-    with _Phase(name, "COMMUNICATE"):
+    with _phase(name, "COMMUNICATE"):
         _send_all(eng, op, name, x, send_plan)
         entries = yield Recv([(src, name) for src in recv_from])
     try:
         _check_same(op, x, entries)
-        with _Phase(name, "COMPUTE_AVERAGE"):
+        with _phase(name, "COMPUTE_AVERAGE"):
             return weighted_sum(out, x, self_weight,
                                  [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
     finally:
@@ -291,15 +329,14 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
     xs = [x for _, x in members]
     names = [op.name for op in ops]
     sizes = [x.numel() for x in xs]
-    with _Phases(names, "ALLOCATE_OUTPUT"):
+    with _phases(names, "ALLOCATE_OUTPUT"):
         out = torch.empty(sum(sizes), dtype=xs[0].dtype)
-    with _Phases(names, "MEMCPY_IN_FUSION_BUFFER"):
+    with _phases(names, "MEMCPY_IN_FUSION_BUFFER"):
         flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
     shapes = [tuple(x.shape) for x in xs]
     desc = list(zip(names, shapes, sizes))
-    with _Phases(names, "COMMUNICATE"):
-        for dst, scale in send_plan:
-            eng.send_tensor(lead, dst, None, flat if scale is None else scaled(flat, scale), desc)
+    with _phases(names, "COMMUNICATE"):
+        _send_all(eng, lead, None, flat, send_plan, desc)
         if tl.current is not None:
             for name in names:
                 _mark_sends(name, (dst for dst, _ in send_plan))
@@ -311,7 +348,7 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
                  for j in range(len(recv_from))]
         if any(p is None for p in parts):     # someone sent another shape or dtype
             return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
-        with _Phases(names, "COMPUTE_AVERAGE"):
+        with _phases(names, "COMPUTE_AVERAGE"):
             weighted_sum(out, flat, self_weight,
                          [(p, src_weights.get(src, 0.0)) for p, src in zip(parts, recv_from)])
         for op, x, part in zip(ops, xs, out.split(sizes)):   # split: ~8x cheaper than slicing
@@ -377,7 +414,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     name = op.name
     if check:
         yield from _topology_check(eng, op, send_to, recv_from)
-    with _Phase(name, "COMMUNICATE"):
+    with _phase(name, "COMMUNICATE"):
         _send_all(eng, op, name, x, [(d, None) for d in send_to])
         entries = yield Recv([(src, name) for src in recv_from])
     try:
@@ -387,7 +424,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
                 raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
                                  f"has {_describe(x)}; tensors must agree on dtype and all "
                                  "dimensions but the first")
-        with _Phase(name, "ALLOCATE_OUTPUT"):
+        with _phase(name, "ALLOCATE_OUTPUT"):
             if not entries:
                 return x.new_empty((0,) + tuple(x.shape[1:]))
             return torch.cat([e.value for e in entries], dim=0)
@@ -397,15 +434,15 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
 
 def pair_gossip(eng, op, x, target, self_weight, pair_weight):
     name = op.name
-    with _Phase(name, "ALLOCATE_OUTPUT"):
+    with _phase(name, "ALLOCATE_OUTPUT"):
         out = torch.empty_like(x)
-    with _Phase(name, "COMMUNICATE"):
-        eng.send_tensor(op, target, name, x)
+    with _phase(name, "COMMUNICATE"):
+        eng.send_tensor(op, target, name, Outgoing(x))
         _mark_sends(name, [target])
         entries = yield Recv([(target, name)])
     try:
         _check_same(op, x, entries)
-        with _Phase(name, "COMPUTE_AVERAGE"):
+        with _phase(name, "COMPUTE_AVERAGE"):
             return weighted_sum(out, x, self_weight, [(entries[0].value, pair_weight)])
     finally:
         _release(entries)
@@ -416,17 +453,15 @@ def _machine_sum(eng, op, x, local_ranks):
     every local agent gets bitwise the same value (float64 for integer inputs)."""
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
-    with _Phase(op.name, "COMMUNICATE"):
-        for r in peers:
-            eng.send_tensor(op, r, key, x)
-        _mark_sends(op.name, peers)
+    with _phase(op.name, "COMMUNICATE"):
+        _send_all(eng, op, key, x, [(r, None) for r in peers])
         local = yield Recv([(r, key) for r in peers])
     try:
         _check_same(op, x, local)
         by_rank = {e.src: e.value for e in local}
         by_rank[eng.rank] = x
         acc_dtype = x.dtype if x.is_floating_point() else torch.float64
-        with _Phase(op.name, "COMPUTE_AVERAGE"):
+        with _phase(op.name, "COMPUTE_AVERAGE"):
             total = torch.zeros(x.shape, dtype=acc_dtype)
             for r in sorted(by_rank):
                 total.add_(by_rank[r].to(acc_dtype))
@@ -457,12 +492,12 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
     machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
     key = (op.name, "machine")
-    with _Phase(op.name, "COMMUNICATE"):
+    with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
         remote = yield Recv([(src, key) for src in recv_from])
     try:
         _check_same(op, machine_sum, remote)
-        with _Phase(op.name, "COMPUTE_AVERAGE"):
+        with _phase(op.name, "COMPUTE_AVERAGE"):
             acc = torch.empty_like(machine_sum)
             weighted_sum(acc, machine_sum, self_weight,
                           [(e.value, src_weights.get(e.src, 0.0)) for e in remote])

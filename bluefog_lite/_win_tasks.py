@@ -27,7 +27,7 @@ import torch
 
 from ._engine import OpTimeout, Requests, Sleep, Turn
 from ._mpi import MPI
-from ._tasks import _Phase, exchange_headers, scaled, weighted_sum
+from ._tasks import _phase, exchange_headers, scaled, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
@@ -221,13 +221,13 @@ def _locked(eng, op, win, ranks, require):
     """Acquire when required; returns the ranks to release."""
     if not require or not ranks:
         return []
-    with _Phase(op.name, "ACQUIRE_MUTEX"):
+    with _phase(op.name, "ACQUIRE_MUTEX"):
         yield from acquire(eng, win, ranks)
     return list(ranks)
 
 
 def mutex_acquire(eng, op, win, ranks):
-    with _Phase(op.name, "ACQUIRE_MUTEX"):
+    with _phase(op.name, "ACQUIRE_MUTEX"):
         yield from acquire(eng, win, ranks)
     return True
 
@@ -271,7 +271,7 @@ def create(eng, op, win, problem, meta, zero_init):
         raise ValueError(f"win_create: agents passed different windows ({listing}); every agent must "
                          "create the window with the same name and a tensor of the same shape and dtype")
     yield Turn(op.coll_seq)
-    with _Phase(op.name, "ALLOCATE_OUTPUT"):
+    with _phase(op.name, "ALLOCATE_OUTPUT"):
         multi_host = _spans_hosts(eng)
         mpi_win = MPI.Win.Allocate(win.layout.size, 1, comm=eng.comm)
         win.attach(mpi_win)
@@ -284,7 +284,7 @@ def create(eng, op, win, problem, meta, zero_init):
         if zero_init:
             for b in win.buffers:
                 b.zero_()
-    with _Phase(op.name, "COMMUNICATE"):
+    with _phase(op.name, "COMMUNICATE"):
         # Buffers start as a copy of the neighbor's tensor: each agent pushes its own.
         src = win.tensor.detach().contiguous()
         for dst in win.out_ranks:
@@ -306,7 +306,7 @@ def free(eng, op, wins, names, problem):
         raise ValueError(f"win_free: agents asked to free different windows ({listing}); "
                          "every agent must free the same windows")
     yield Turn(op.coll_seq)
-    with _Phase(op.name, "COMMUNICATE"):
+    with _phase(op.name, "COMMUNICATE"):
         for w in wins:
             mpi_win = w.win
             w.detach()
@@ -324,7 +324,7 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     targets = sorted(dst_weights)
     locked = yield from _locked(eng, op, win, targets, require_mutex)
     try:
-        with _Phase(op.name, "COMMUNICATE"):
+        with _phase(op.name, "COMMUNICATE"):
             p_self, keep = float(win.p[0]), []
             for dst in targets:
                 w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
@@ -366,7 +366,7 @@ def get(eng, op, win, src_weights, require_mutex, with_p):
     _publish(win)
     locked = yield from _locked(eng, op, win, sorted(src_weights), require_mutex)
     try:
-        with _Phase(op.name, "COMMUNICATE"):
+        with _phase(op.name, "COMMUNICATE"):
             for src, w in sorted(src_weights.items()):
                 lay, i = win.layouts[src], win.in_index[src]
                 if win.nbytes:
@@ -389,7 +389,7 @@ def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, 
     """self <- self_weight * self + sum_j w_j * buffer_j (and the same for p)."""
     locked = yield from _locked(eng, op, win, [win.rank], require_mutex)
     try:
-        with _Phase(op.name, "WIN_SYNC_COMPUTE_AVERAGE"):
+        with _phase(op.name, "WIN_SYNC_COMPUTE_AVERAGE"):
             used = [(win.in_index[r], w) for r, w in sorted(nbr_weights.items())]
             # Reset the counters before reading: a put that lands meanwhile is counted
             # again next time rather than lost.

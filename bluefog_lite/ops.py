@@ -100,8 +100,7 @@ def _submit(kind, name, make_task, fuse=None):
     arguments: a generated name is used up even by a call that then fails, so that
     generated names stay the same on every agent when an error on some agents is
     caught and the program goes on."""
-    eng = state().engine
-    return eng.submit(name, kind, lambda op: make_task(eng, op), fuse)
+    return state().engine.submit(name, kind, make_task, fuse)
 
 
 # ---- handles ---------------------------------------------------------------------

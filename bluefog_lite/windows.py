@@ -119,7 +119,7 @@ def _submit(win, kind, make_task):
         try:
             # The engine builds the task under its queue lock once the name is accepted:
             # tickets follow queue order and no ticket is lost to a refused name.
-            h = eng.submit(op_name, kind, lambda op: _win_tasks.in_order(
+            h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
                 win, win.take_ticket(), make_task(eng, op)))
         except ValueError:      # a non-window op of that name is in flight
             if k > 1000:
@@ -155,7 +155,7 @@ def win_create(tensor, name, zero_init=False):
     if problem is None:
         win = _win_tasks.Window(name, tensor, st.topology, st.rank, st.size)
         meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
-    h = eng.submit("win_create", "WIN_CREATE", lambda op: _win_tasks.create(
+    h = eng.submit("win_create", "WIN_CREATE", lambda eng, op: _win_tasks.create(
         eng, op, win, problem, meta, bool(zero_init)))
     multi_host = eng.synchronize(h)
     if multi_host and _poke_before is None:
@@ -192,7 +192,7 @@ def win_free(name=None):
         names = [name]
     wins = [st.windows[n] for n in names if n in st.windows] if problem is None else []
     _wait_idle(eng, wins)
-    h = eng.submit("win_free", "WIN_FREE", lambda op: _win_tasks.free(eng, op, wins, names, problem))
+    h = eng.submit("win_free", "WIN_FREE", lambda eng, op: _win_tasks.free(eng, op, wins, names, problem))
     eng.synchronize(h)
     for n in names:
         del st.windows[n]
