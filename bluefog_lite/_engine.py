@@ -445,9 +445,30 @@ class Engine:
             for op in list(self._polled):
                 if self._advance(op):
                     moved = True
+        if s.unposted and self._post_receives():
+            moved = True
         if (s.outboxes or s.to_ring or self._completing) and self._flush():
             moved = True
         return moved
+
+    def _post_receives(self):
+        """Post the receives of large tensors whose descriptors came in, unless that
+        would take new memory early: while operations hold the pooled buffers, the
+        data of an operation this agent has not started yet (a neighbor running
+        ahead) stays in the sender's memory until the operation waits for it, a
+        buffer is free or no operation is active. So an agent holds receive
+        buffers for the operations it runs, not for everything its neighbors send."""
+        s = self.stream
+        idle, pool, waiters = not self._active, s.pool, self._waiters
+        held = []
+        for large in s.unposted:
+            if idle or pool.has(large.nbytes) or any(k in waiters for k in large.keys):
+                s.post(large)
+            else:
+                held.append(large)
+        posted = len(held) < len(s.unposted)
+        s.unposted = held
+        return posted
 
     def _take_all(self, keys):
         """The entries for every (src, key), or None while any is missing."""

@@ -178,6 +178,15 @@ def _as_tensor(raw, meta):
     return torch.from_numpy(raw).view(tdt).reshape(shape)
 
 
+class LargeReceive:
+    """A large tensor (or fused group) whose descriptor has arrived: its bytes wait
+    in the sender's memory until the engine posts the receive (Engine._post_receives)."""
+    __slots__ = ("item", "tag", "nbytes", "keys")
+
+    def __init__(self, item, tag, nbytes, keys):
+        self.item, self.tag, self.nbytes, self.keys = item, tag, nbytes, keys
+
+
 class Outbox:
     """What one agent will send to one destination in the next flush: the entries
     and the pieces of the packet's body (inline bytes, each padded to _ALIGN)."""
@@ -201,6 +210,7 @@ class StreamEndpoint:
         self.inbox = collections.defaultdict(collections.deque)   # (src, key) -> deque[Entry]
         self._next_tag = collections.defaultdict(int)
         self.pending_recvs = []   # (request, entry)
+        self.unposted = []        # LargeReceive: announced data the engine has not asked for yet
         self.sent_packets = []    # (request, packet) kept alive until sent
         self.arrived = []         # (src, key) of entries that became ready
         self.to_ring = set()      # peers sent something since the last ring (see _doorbell.py)
@@ -294,10 +304,7 @@ class StreamEndpoint:
                 entry.value, entry.ready = _as_tensor(raw, meta), True
                 self.arrived.append((src, key))
             else:
-                buf, entry._release = self.pool.take(loc[2])
-                entry.value = _as_tensor(buf, meta)
-                req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
-                self.pending_recvs.append((req, entry))
+                self.unposted.append(LargeReceive(entry, loc[1], loc[2], [(src, key)]))
             self.inbox[(src, key)].append(entry)
 
     def _unpack_group(self, src, meta, loc, packet, start):
@@ -308,10 +315,7 @@ class StreamEndpoint:
             slab.flat, slab.ready = _as_tensor(raw, (dtype, (slab.offsets[-1],))), True
             self.arrived.extend(slab.keys())
         else:
-            buf, slab._release = self.pool.take(loc[2])
-            slab.flat = _as_tensor(buf, (dtype, (slab.offsets[-1],)))
-            req = self.comm.Irecv([buf, loc[2], MPI.BYTE], src, loc[1])
-            self.pending_recvs.append((req, slab))
+            self.unposted.append(LargeReceive(slab, loc[1], loc[2], slab.keys()))
         inbox = self.inbox
         for key, member in zip(slab.keys(), map(Member, itertools.repeat(slab), range(len(slab.names)))):
             q = inbox.get(key)
@@ -319,6 +323,17 @@ class StreamEndpoint:
                 inbox[key] = collections.deque((member,))
             else:
                 q.append(member)
+
+    def post(self, large):
+        """Post the receive of a LargeReceive into a pooled buffer."""
+        item = large.item
+        buf, item._release = self.pool.take(large.nbytes)
+        if isinstance(item, Slab):
+            item.flat = _as_tensor(buf, (item.dtype, (item.offsets[-1],)))
+        else:
+            item.value = _as_tensor(buf, item.meta)
+        req = self.comm.Irecv([buf, large.nbytes, MPI.BYTE], item.src, large.tag)
+        self.pending_recvs.append((req, item))
 
     def test_recvs(self):
         """Mark large-tensor entries whose bytes have arrived as ready, and ring their
