@@ -452,23 +452,45 @@ class Engine:
         return moved
 
     def _post_receives(self):
-        """Post the receives of large tensors whose descriptors came in, unless that
-        would take new memory early: while operations hold the pooled buffers, the
+        """Post the receives of large tensors whose descriptors came in, without taking
+        new memory early. Data an active operation waits for is posted at once. The
         data of an operation this agent has not started yet (a neighbor running
-        ahead) stays in the sender's memory until the operation waits for it, a
-        buffer is free or no operation is active. So an agent holds receive
-        buffers for the operations it runs, not for everything its neighbors send."""
+        ahead) is posted only into a pooled buffer that the active operations will
+        not need for data they still wait for; otherwise it stays in the sender's
+        memory until its operation waits for it. So an agent holds receive buffers
+        for the operations it runs, not for everything its neighbors send."""
         s = self.stream
-        idle, pool, waiters = not self._active, s.pool, self._waiters
-        held = []
+        ahead = []
         for large in s.unposted:
-            if idle or pool.has(large.nbytes) or any(k in waiters for k in large.keys):
+            if self._awaited(large):
                 s.post(large)
             else:
-                held.append(large)
+                ahead.append(large)
+        held = []
+        if ahead:
+            inbox, free = s.inbox, s.pool.free_count
+            unannounced = sum(1 for k in self._waiters if not inbox.get(k))   # buffers still owed
+            for large in ahead:
+                if free(large.nbytes) > unannounced:
+                    s.post(large)
+                else:
+                    held.append(large)
         posted = len(held) < len(s.unposted)
         s.unposted = held
         return posted
+
+    def _awaited(self, large):
+        """True if this receive holds the first entry under one of its keys and an
+        active operation waits for that key (or it is the leftover of a timed-out one,
+        dropped on arrival). A waiting operation keeps its keys until all its data is
+        in, so an entry queued behind one it already has is a later operation's."""
+        inbox, waiters, discard, item = self.stream.inbox, self._waiters, self._discard, large.item
+        for k in large.keys:
+            if k in waiters or k in discard:
+                q = inbox.get(k)
+                if q and (q[0] is item or getattr(q[0], "slab", None) is item):
+                    return True
+        return False
 
     def _take_all(self, keys):
         """The entries for every (src, key), or None while any is missing."""

@@ -24,9 +24,9 @@ class BufferPool:
             buf = np.empty(nbytes, dtype=np.uint8)
         return buf, lambda: self._give(buf)
 
-    def has(self, nbytes):
-        """True if a buffer of nbytes is free (take() would not allocate)."""
-        return bool(self._free.get(nbytes))
+    def free_count(self, nbytes):
+        """How many buffers of nbytes are free (take() allocates when none is)."""
+        return len(self._free.get(nbytes, ()))
 
     def _give(self, buf):
         n = buf.nbytes

@@ -35,6 +35,10 @@ def test_data_of_operations_not_started_stays_with_the_sender():
     run_agents(2, "ops_running_ahead.py", timeout=90)
 
 
+def test_data_of_the_next_round_of_a_name_stays_with_the_sender():
+    run_agents(3, "ops_running_ahead_same_name.py", timeout=90)
+
+
 @pytest.mark.parametrize("n", [4, 8])
 def test_fused_groups_match_numpy_when_agents_group_differently(n):
     run_agents(n, "ops_fused_groups.py", timeout=150)

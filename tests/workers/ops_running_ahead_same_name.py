@@ -1,0 +1,68 @@
+"""A neighbor that runs ahead in a loop of one name: rank 0 averages what ranks 1 and
+2 send (edges 1 -> 0 and 2 -> 0). While rank 0 waits for rank 2 in the first op,
+rank 1, which needs nothing from anyone, finishes it and starts the next op of the
+same name. Its data is queued behind the entry rank 0 already holds, so it is a
+later operation's: rank 0 must leave it with rank 1 instead of taking a second
+receive buffer for it. Every result matches the mixing matrix."""
+import time
+
+import networkx as nx
+import torch
+from mpi4py import MPI
+
+import bluefog_lite as bf
+from bluefog_lite._runtime import state
+
+bf.init()
+go = MPI.COMM_WORLD.Dup()    # rank 0 tells rank 2 when to join
+r = bf.rank()
+assert bf.size() == 3
+G = nx.DiGraph()
+G.add_nodes_from(range(3))
+G.add_edges_from([(1, 0), (2, 0)])
+assert bf.set_topology(G)
+n = 1 << 18                  # 1 MB of float32: sent as its own message, not inline
+rounds = 3
+value = lambda rank, i: float(100 * rank + i)  # noqa: E731
+weights = ({"self_weight": 0.5, "src_weights": {1: 0.25, 2: 0.25}} if r == 0
+           else {"self_weight": 1.0, "src_weights": {}})
+stream = state().engine.stream
+
+
+def op(i):
+    return bf.neighbor_allreduce_nonblocking(torch.full((n,), value(r, i)), name="loop", **weights)
+
+
+def expected(i):
+    return 0.5 * value(0, i) + 0.25 * (value(1, i) + value(2, i)) if r == 0 else value(r, i)
+
+
+results = []
+if r == 0:
+    h = op(0)
+    deadline = time.monotonic() + 30
+    while not stream.unposted:   # rank 1 finishes round 0 and announces round 1
+        assert time.monotonic() < deadline, "rank 1's round 1 never announced"
+        time.sleep(0.01)
+    time.sleep(0.1)          # a wrongly posted receive would show by now
+    held = [large.keys for large in stream.unposted]
+    assert held == [[(1, "loop")]], held
+    assert not stream.pending_recvs, "a receive posted for an operation rank 0 has not started"
+    free = sum(len(b) for b in stream.pool._free.values())
+    assert free == 0, f"{free} pooled buffers while only rank 1's round-0 data should be held"
+    go.send(None, dest=2)
+    results.append(bf.synchronize(h))
+    results += [bf.synchronize(op(i)) for i in range(1, rounds)]
+    # round 0 held one buffer (rank 1's data) and took one for rank 2's: two, reused after
+    pooled = sum(len(b) for b in stream.pool._free.values())
+    assert pooled == 2, f"{pooled} pooled 1 MB buffers after {rounds} rounds with 2 in-neighbors"
+elif r == 1:
+    results = [bf.synchronize(op(i)) for i in range(rounds)]
+else:
+    go.recv(source=0)        # rank 0 is in round 0, waiting for this agent
+    results = [bf.synchronize(op(i)) for i in range(rounds)]
+for i, got in enumerate(results):
+    assert torch.equal(got, torch.full((n,), expected(i))), (i, got[:4])
+go.Free()
+print(f"AGENT OK {r}", flush=True)
+bf.shutdown()
