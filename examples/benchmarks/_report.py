@@ -190,6 +190,9 @@ def markdown(results):
             f"{meta['load_after'][0]:.2f} after, {meta['seconds']} s. Cells: median over repeats "
             "(min–max when they differ); every ratio is taken inside one run. "
             "What each table measures: [performance.md](performance.md#reproduce).\n")
+    if meta.get("kept"):
+        head += (f"\n{meta['kept']} launches were kept from an earlier, cut-off run in the same --work "
+                 "folder (`--resume`); the load average and seconds above are those of the rest.\n")
     if meta["failures"]:
         head += "\nFailed launches (missing from the tables): " + "; ".join(meta["failures"]) + "\n"
     parts = [nar_section(results), fusion_section(results), windows_section(results),

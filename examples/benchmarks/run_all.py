@@ -133,6 +133,8 @@ def main():
                     help="where performance_tables.md and performance.png go")
     ap.add_argument("--work", default=None, help="folder for the per-launch JSON and logs (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds before one launch is killed")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the launches --work already holds a JSON for (a run that was cut off) and run the rest")
     ap.add_argument("--report-only", action="store_true",
                     help="launch nothing: rewrite the tables and figure from --work's results.json")
     args = ap.parse_args()
@@ -154,11 +156,17 @@ def main():
     jobs = [j for j in plan(args.quick, agent_counts, main_agents) if j[0] in only]
 
     started, load_before = time.time(), load_average()
-    runs, failures = [], []
+    runs, failures, kept = [], [], 0
     for rep in range(repeats):
         for i, (bench, script, agents, bargs) in enumerate(jobs):
             stem = os.path.join(work, f"{bench}_n{agents}_{i}_r{rep}")
             t0 = time.time()
+            if args.resume and os.path.exists(stem + ".json"):
+                with open(stem + ".json") as f:
+                    runs.append(json.load(f))
+                kept += 1
+                print(f"[{rep + 1}/{repeats}] {bench:<18} n={agents} {' '.join(bargs):<48} kept", flush=True)
+                continue
             ok = launch(script, agents, bargs, stem + ".json", stem + ".log", args.timeout, work)
             print(f"[{rep + 1}/{repeats}] {bench:<18} n={agents} {' '.join(bargs):<48} "
                   f"{'ok' if ok else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
@@ -170,7 +178,7 @@ def main():
     meta = {"quick": args.quick, "agents": agent_counts, "main_agents": main_agents, "repeats": repeats,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - started),
             "load_before": load_before, "load_after": load_average(), "cores": os.cpu_count(),
-            "failures": failures, "command": " ".join(["python", "examples/benchmarks/run_all.py", *sys.argv[1:]])}
+            "failures": failures, "kept": kept, "command": " ".join(["python", "examples/benchmarks/run_all.py", *sys.argv[1:]])}
     results = {"meta": meta, "results": summarize(runs)}
     with open(os.path.join(work, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
