@@ -14,10 +14,10 @@ import _report  # noqa: E402
 import run_all  # noqa: E402
 
 
-def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
-    docs, work = tmp_path / "docs", tmp_path / "work"
+def _run_all(docs, work, *extra):
     cmd = [sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--agents", "2",
-           "--only", "neighbor_allreduce,memory", "--docs", str(docs), "--work", str(work), "--timeout", "150"]
+           "--only", "neighbor_allreduce,memory", "--docs", str(docs), "--work", str(work), "--timeout", "150",
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -27,6 +27,12 @@ def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
         out, _ = proc.communicate()
         raise AssertionError(f"run_all.py --quick did not finish:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
+    docs, work = tmp_path / "docs", tmp_path / "work"
+    _run_all(docs, work)
 
     results = json.loads((work / "results.json").read_text())
     assert results["meta"]["quick"] and results["meta"]["agents"] == [2]
@@ -46,6 +52,20 @@ def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
     assert "| 2 | 4 KB |" in tables and "| 2 | 1 MB |" in tables
     assert "### Peak resident memory" in tables
     assert (docs / "performance.png").stat().st_size > 10_000
+
+    # a run cut off before its last launch: --resume keeps what the folder holds and runs the rest
+    raw_json = next(p for p in work.glob("memory_n2_*_r0.json")
+                    if json.loads(p.read_text())["rows"][0]["key"]["mode"] == "raw")
+    kept_text = {p.name: p.read_text() for p in work.glob("*_r0.json") if p != raw_json}
+    raw_json.unlink()
+    out = _run_all(docs, work, "--resume")
+    assert out.count(" kept") == len(kept_text) == 2, out
+    assert {p.name: p.read_text() for p in work.glob("*_r0.json") if p != raw_json} == kept_text
+    assert raw_json.exists()
+    resumed = json.loads((work / "results.json").read_text())
+    assert resumed["meta"]["kept"] == 2
+    assert {e["key"]["mode"] for e in resumed["results"] if e["bench"] == "memory"} == {"bf", "raw"}
+    assert "2 launches were kept from an earlier, cut-off run" in (docs / "performance_tables.md").read_text()
 
 
 def _run(bench, agents, key, values, params=None):
