@@ -160,25 +160,24 @@ def main():
     for rep in range(repeats):
         for i, (bench, script, agents, bargs) in enumerate(jobs):
             stem = os.path.join(work, f"{bench}_n{agents}_{i}_r{rep}")
-            t0 = time.time()
+            label = f"[{rep + 1}/{repeats}] {bench:<18} n={agents} {' '.join(bargs):<48}"
             if args.resume and os.path.exists(stem + ".json"):
-                with open(stem + ".json") as f:
-                    runs.append(json.load(f))
                 kept += 1
-                print(f"[{rep + 1}/{repeats}] {bench:<18} n={agents} {' '.join(bargs):<48} kept", flush=True)
-                continue
-            ok = launch(script, agents, bargs, stem + ".json", stem + ".log", args.timeout, work)
-            print(f"[{rep + 1}/{repeats}] {bench:<18} n={agents} {' '.join(bargs):<48} "
-                  f"{'ok' if ok else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
-            if ok:
-                with open(stem + ".json") as f:
-                    runs.append(json.load(f))
+                print(f"{label} kept", flush=True)
             else:
-                failures.append(f"{bench} at {agents} agents ({stem}.log)")
+                t0 = time.time()
+                ok = launch(script, agents, bargs, stem + ".json", stem + ".log", args.timeout, work)
+                print(f"{label} {'ok' if ok else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
+                if not ok:
+                    failures.append(f"{bench} at {agents} agents ({stem}.log)")
+                    continue
+            with open(stem + ".json") as f:
+                runs.append(json.load(f))
     meta = {"quick": args.quick, "agents": agent_counts, "main_agents": main_agents, "repeats": repeats,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - started),
             "load_before": load_before, "load_after": load_average(), "cores": os.cpu_count(),
-            "failures": failures, "kept": kept, "command": " ".join(["python", "examples/benchmarks/run_all.py", *sys.argv[1:]])}
+            "failures": failures, "kept": kept,
+            "command": " ".join(["python", "examples/benchmarks/run_all.py", *sys.argv[1:]])}
     results = {"meta": meta, "results": summarize(runs)}
     with open(os.path.join(work, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
