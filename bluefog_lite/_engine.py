@@ -455,9 +455,10 @@ class Engine:
         """Post the receives of large tensors whose descriptors came in, without taking
         new memory early. Data an active operation waits for is posted at once. The
         data of an operation this agent has not started yet (a neighbor running
-        ahead) is posted only into a pooled buffer that the active operations will
-        not need for data they still wait for; otherwise it stays in the sender's
-        memory until its operation waits for it. So an agent holds receive buffers
+        ahead) is posted only if it is the next of its name from that neighbor and
+        only into a pooled buffer that the active operations will not need for data
+        they still wait for; otherwise it stays in the sender's memory until its
+        operation waits for it. So an agent holds receive buffers
         for the operations it runs, not for everything its neighbors send."""
         s = self.stream
         ahead = []
@@ -471,13 +472,25 @@ class Engine:
             inbox, free = s.inbox, s.pool.free_count
             unannounced = sum(1 for k in self._waiters if not inbox.get(k))   # buffers still owed
             for large in ahead:
-                if free(large.nbytes) > unannounced:
+                if free(large.nbytes) > unannounced and self._next_of_its_keys(large):
                     s.post(large)
                 else:
                     held.append(large)
         posted = len(held) < len(s.unposted)
         s.unposted = held
         return posted
+
+    def _next_of_its_keys(self, large):
+        """True if this receive is the oldest entry under each of its keys: the data of
+        the next operation of that name from that neighbor. One queued behind it is two
+        or more operations ahead and stays with the sender, so running ahead never makes
+        an agent hold more than one round of a name per neighbor."""
+        inbox, item = self.stream.inbox, large.item
+        for k in large.keys:
+            q = inbox.get(k)
+            if not q or (q[0] is not item and getattr(q[0], "slab", None) is not item):
+                return False
+        return True
 
     def _awaited(self, large):
         """True if this receive holds the first entry under one of its keys and an

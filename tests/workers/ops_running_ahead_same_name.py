@@ -3,7 +3,10 @@
 rank 1, which needs nothing from anyone, finishes it and starts the next op of the
 same name. Its data is queued behind the entry rank 0 already holds, so it is a
 later operation's: rank 0 must leave it with rank 1 instead of taking a second
-receive buffer for it. Every result matches the mixing matrix."""
+receive buffer for it. Between rank 0's first and second op (rank 2 held back),
+rank 1's round-1 data may come into a free pooled buffer, but its round-2 data,
+queued behind it, must not take the other one: rank 2's round-1 data needs it.
+Every result matches the mixing matrix and two 1 MB buffers serve all rounds."""
 import time
 
 import networkx as nx
@@ -37,21 +40,37 @@ def expected(i):
     return 0.5 * value(0, i) + 0.25 * (value(1, i) + value(2, i)) if r == 0 else value(r, i)
 
 
-results = []
-if r == 0:
-    h = op(0)
+
+
+def free_buffers():
+    return sum(len(b) for b in stream.pool._free.values())
+
+
+def until_rank1_announces(what):
+    """Until rank 1's data is queued two deep (the round rank 0 is at, and the next);
+    then the later one must still be with rank 1."""
     deadline = time.monotonic() + 30
-    while not stream.unposted:   # rank 1 finishes round 0 and announces round 1
-        assert time.monotonic() < deadline, "rank 1's round 1 never announced"
+    while len(stream.inbox.get((1, "loop"), ())) < 2:
+        assert time.monotonic() < deadline, f"rank 1's {what} never announced"
         time.sleep(0.01)
     time.sleep(0.1)          # a wrongly posted receive would show by now
     held = [large.keys for large in stream.unposted]
-    assert held == [[(1, "loop")]], held
+    assert held == [[(1, "loop")]], f"rank 1's {what} was taken in early: held {held}"
+
+
+results = []
+if r == 0:
+    h = op(0)
+    until_rank1_announces("round 1")    # rank 1 finished round 0 while we wait for rank 2
     assert not stream.pending_recvs, "a receive posted for an operation rank 0 has not started"
-    free = sum(len(b) for b in stream.pool._free.values())
-    assert free == 0, f"{free} pooled buffers while only rank 1's round-0 data should be held"
+    assert free_buffers() == 0, f"{free_buffers()} pooled buffers while only rank 1's round-0 data should be held"
     go.send(None, dest=2)
     results.append(bf.synchronize(h))
+    # No op running now; rank 1's round 1 may take a free buffer, and rank 1 goes on to round 2.
+    until_rank1_announces("round 2")
+    assert free_buffers() == 1, (f"{free_buffers()} free pooled buffers: rank 1's round-2 data must "
+                                 "leave one for rank 2's round 1")
+    go.send(None, dest=2)
     results += [bf.synchronize(op(i)) for i in range(1, rounds)]
     # round 0 held one buffer (rank 1's data) and took one for rank 2's: two, reused after
     pooled = sum(len(b) for b in stream.pool._free.values())
@@ -60,7 +79,9 @@ elif r == 1:
     results = [bf.synchronize(op(i)) for i in range(rounds)]
 else:
     go.recv(source=0)        # rank 0 is in round 0, waiting for this agent
-    results = [bf.synchronize(op(i)) for i in range(rounds)]
+    results = [bf.synchronize(op(0))]
+    go.recv(source=0)        # rank 1 is two rounds ahead of rank 0
+    results += [bf.synchronize(op(i)) for i in range(1, rounds)]
 for i, got in enumerate(results):
     assert torch.equal(got, torch.full((n,), expected(i))), (i, got[:4])
 go.Free()
