@@ -40,8 +40,6 @@ def expected(i):
     return 0.5 * value(0, i) + 0.25 * (value(1, i) + value(2, i)) if r == 0 else value(r, i)
 
 
-
-
 def free_buffers():
     return sum(len(b) for b in stream.pool._free.values())
 
@@ -73,8 +71,7 @@ if r == 0:
     go.send(None, dest=2)
     results += [bf.synchronize(op(i)) for i in range(1, rounds)]
     # round 0 held one buffer (rank 1's data) and took one for rank 2's: two, reused after
-    pooled = sum(len(b) for b in stream.pool._free.values())
-    assert pooled == 2, f"{pooled} pooled 1 MB buffers after {rounds} rounds with 2 in-neighbors"
+    assert free_buffers() == 2, f"{free_buffers()} pooled 1 MB buffers after {rounds} rounds with 2 in-neighbors"
 elif r == 1:
     results = [bf.synchronize(op(i)) for i in range(rounds)]
 else:
