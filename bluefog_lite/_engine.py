@@ -458,8 +458,8 @@ class Engine:
         ahead) is posted only if it is the next of its name from that neighbor and
         only into a pooled buffer that the active operations will not need for data
         they still wait for; otherwise it stays in the sender's memory until its
-        operation waits for it. So an agent holds receive buffers
-        for the operations it runs, not for everything its neighbors send."""
+        operation waits for it. So an agent holds receive buffers for the operations
+        it runs, not for everything its neighbors send."""
         s = self.stream
         ahead = []
         for large in s.unposted:
@@ -485,25 +485,20 @@ class Engine:
         the next operation of that name from that neighbor. One queued behind it is two
         or more operations ahead and stays with the sender, so running ahead never makes
         an agent hold more than one round of a name per neighbor."""
-        inbox, item = self.stream.inbox, large.item
-        for k in large.keys:
-            q = inbox.get(k)
-            if not q or (q[0] is not item and getattr(q[0], "slab", None) is not item):
-                return False
-        return True
+        return all(self._oldest_under(k, large.item) for k in large.keys)
 
     def _awaited(self, large):
         """True if this receive holds the first entry under one of its keys and an
         active operation waits for that key (or it is the leftover of a timed-out one,
         dropped on arrival). A waiting operation keeps its keys until all its data is
         in, so an entry queued behind one it already has is a later operation's."""
-        inbox, waiters, discard, item = self.stream.inbox, self._waiters, self._discard, large.item
-        for k in large.keys:
-            if k in waiters or k in discard:
-                q = inbox.get(k)
-                if q and (q[0] is item or getattr(q[0], "slab", None) is item):
-                    return True
-        return False
+        waiters, discard = self._waiters, self._discard
+        return any((k in waiters or k in discard) and self._oldest_under(k, large.item) for k in large.keys)
+
+    def _oldest_under(self, key, item):
+        """True if item (an Entry, or the Slab of a Member) is the first entry queued under key."""
+        q = self.stream.inbox.get(key)
+        return bool(q) and (q[0] is item or getattr(q[0], "slab", None) is item)
 
     def _take_all(self, keys):
         """The entries for every (src, key), or None while any is missing."""
