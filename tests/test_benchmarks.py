@@ -5,7 +5,7 @@ import signal
 import subprocess
 import sys
 
-from mpi_helpers import REPO
+from mpi_helpers import REPO, run_agents
 
 BENCH = os.path.join(REPO, "examples", "benchmarks")
 sys.path.insert(0, BENCH)
@@ -105,3 +105,18 @@ def test_report_covers_every_benchmark_and_summarizes_repeats(tmp_path):
     assert "QUICK MODE" not in text
     _report.figure(results, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_floor_benchmark_checks_its_average_and_reports_three_methods(tmp_path):
+    """bench_floor.py (not part of run_all): its minimal exchange must compute the
+    neighbor average numpy computes (the script exits non-zero otherwise), and
+    the JSON has a positive time for raw, minimal and bf."""
+    out_json = tmp_path / "floor.json"
+    rc, out = run_agents(3, os.path.join(BENCH, "bench_floor.py"), "--trials", "2", "--reps", "20",
+                         "--json", out_json, timeout=150, expect_ok=False)
+    assert rc == 0, out[-4000:]
+    result = json.loads(out_json.read_text())
+    assert result["bench"] == "floor" and result["agents"] == 3
+    times = {row["key"]["method"]: row["values"]["median_s"] for row in result["rows"]}
+    assert set(times) == {"raw", "minimal", "bf"}
+    assert all(0 < t < 1 for t in times.values()), times
