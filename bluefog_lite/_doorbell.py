@@ -16,6 +16,10 @@ sets its flag just before it sleeps, and a peer rings only while the flag is
 set. A thread that sets its flag looks for work once more before it sleeps
 (Engine._sleep), so a peer that found the flag clear has already left
 something that look finds; the engine's timed MPI poke is the safety net.
+The flag has two levels: ANYTHING (an agent with operations in flight wants
+to hear of every packet) and URGENT_ONLY (an idle agent wants to hear only of
+a large tensor's descriptor, whose sender waits until the receive is posted;
+other data can wait in MPI until the agent starts the operation it is for).
 
 Peers on other hosts, and platforms without abstract sockets, are not rung:
 for them the engine keeps its polling timeout (see Engine._sleep).
@@ -28,6 +32,7 @@ import socket
 import sys
 
 _LINE = 64     # one cache line per agent: a flag written often does not slow its neighbors' reads
+ANYTHING, URGENT_ONLY = 1, 2     # sleep flag levels (0: awake, do not ring)
 
 
 def _marker(token, rank):
@@ -102,19 +107,23 @@ class Doorbell:
         return sock
 
     def asleep(self, flag):
-        """Tell the peers that this agent's communication thread sleeps (ring it) or not."""
+        """Tell the peers that this agent sleeps and what to ring it for (ANYTHING,
+        URGENT_ONLY), or that it is awake (0)."""
         if self.flags is not None:
             self.flags[self._flag_at] = flag
 
-    def ring(self, rank):
-        """Wake rank's communication thread if it sleeps (no-op for a peer this bell cannot reach)."""
+    def ring(self, rank, urgent=False):
+        """Wake rank if it sleeps and asked to hear of this (urgent: a large tensor's
+        descriptor); no-op for a peer this bell cannot reach."""
         address = self.peers.get(rank)
         if address is None:
             return
         at = self._flag_of.get(rank)
-        if at is not None and not self.flags[at]:
-            self.rings_skipped += 1      # awake: it will look for work before it sleeps
-            return
+        if at is not None:
+            flag = self.flags[at]
+            if not flag or (flag == URGENT_ONLY and not urgent):
+                self.rings_skipped += 1      # awake (it looks for work before it sleeps), or idle
+                return
         self.rings += 1
         try:
             self.sock.sendto(b"!", address)
@@ -128,17 +137,20 @@ class Doorbell:
             except OSError:
                 pass
 
-    def wait(self, timeout):
-        """Sleep until rung or timeout seconds pass; clears the rings that arrived."""
-        sock = self.sock
-        ready, _, _ = select.select((sock,), (), (), timeout)
-        if ready:
-            try:
-                while sock.recv(256):
-                    pass
-            except OSError:    # BlockingIOError: drained
-                pass
+    def wait(self, timeout, drain=True):
+        """Sleep until rung or timeout seconds pass; True if rung. Clears the rings
+        that arrived unless drain is False (then call drain())."""
+        ready, _, _ = select.select((self.sock,), (), (), timeout)
+        if ready and drain:
+            self.drain()
         return bool(ready)
+
+    def drain(self):
+        try:
+            while self.sock.recv(256):
+                pass
+        except OSError:    # BlockingIOError: drained
+            pass
 
     def close(self):
         if self.sock is not None:

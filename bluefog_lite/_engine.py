@@ -5,6 +5,13 @@ The loop admits new operations, pushes their sends into the per-neighbor stream,
 receives packets, resumes operations whose inputs have arrived, and sleeps when
 nothing moves: ranks share cores, so it never busy-spins. A sleeping loop is woken
 by its callers and by peers on the same host through its doorbell (_doorbell.py).
+
+The loop runs under the *drive lock*. The communication thread holds it except
+while it sleeps; a caller of a blocking operation that finds it free (the thread
+asleep) runs the loop itself until its operation is done (Engine._drive_until),
+so that a blocking call costs no hand-over to the thread and no wake-up back: on
+shared cores every wake-up is paid in CPU. The timeline keeps every operation
+on the communication thread (its MPI_ spans belong there).
 """
 import collections
 import itertools
@@ -17,7 +24,7 @@ import torch
 
 from _thread import allocate_lock as _allocate_lock, get_ident as _get_ident
 
-from ._doorbell import Doorbell
+from ._doorbell import ANYTHING, URGENT_ONLY, Doorbell
 from ._mpi import MPI
 from ._pool import BufferPool
 from ._stream import StreamEndpoint
@@ -112,7 +119,7 @@ class OpTimeout(TimeoutError):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "caller_tid", "fuse", "riders")
+                 "caller_tid", "fuse", "riders", "inline")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -129,6 +136,7 @@ class Op:
         self.finished_task = False
         self.coll_seq = None
         self.caller_tid = _get_ident()
+        self.inline = False    # submitted unannounced: its synchronize runs the loop (or rings)
 
     def is_done(self):
         return not self._pending.locked()
@@ -160,6 +168,7 @@ class Engine:
         self.yield_window_s = _env_float("BLUEFOG_YIELD_WINDOW_S", 3e-4)
         self.wait_sleep_max_s = _env_float("BLUEFOG_WAIT_SLEEP_MAX_S", 1e-3)
         self.progress_poke_s = 0.002   # idle MPI poke; windows.py lowers it while windows exist
+        self.caller_progress = os.environ.get("BLUEFOG_CALLER_PROGRESS", "1").strip() not in ("0", "")
         self._lock = threading.Lock()              # queue, names, handles
         self._cv = threading.Condition(self._lock)  # sleeping when there is no doorbell
         self._queue = collections.deque()
@@ -177,14 +186,22 @@ class Engine:
         self._stopping = False
         self._sleeping = False         # the loop is (about to be) asleep: ring to wake it
         self._rung = False             # a caller has rung since the loop last went to sleep
+        self._drive = threading.Lock()  # held by the thread running the loop (see the module doc)
+        self._handback = threading.Event()  # a caller let go of the loop and left work in it
+        self._last_inspect = time.monotonic()
+        self.driven_by_callers = 0     # blocking operations whose caller ran the loop
         self.doorbell = Doorbell(comm)
+        self._caller_status = MPI.Status()   # for the thread holding the drive lock, if not the loop's
         self._thread = threading.Thread(target=self._run, name="bluefog-communication", daemon=True)
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------
-    def submit(self, name, kind, task, fuse=None):
+    def submit(self, name, kind, task, fuse=None, inline=False):
         """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
-        ``fuse``: a Fusable, if the op may run fused with others of the same key."""
+        ``fuse``: a Fusable, if the op may run fused with others of the same key.
+        ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
+        loop is not rung now: synchronize runs the loop on the caller if it can."""
+        inline = inline and self.caller_progress and tl.current is None and self.doorbell.sock is not None
         with self._lock:
             if self._stopping:
                 raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
@@ -192,16 +209,21 @@ class Engine:
                 raise ValueError(f"an operation named {name!r} is already in flight on this agent "
                                  "(not yet synchronized); synchronize it before reusing the name")
             op = Op(next(self._handles), name, kind, None, fuse)
+            op.inline = inline
             op.task = task(self, op)
             self._names.add(name)
             self._ops[op.handle] = op
             if tl.current is not None:
                 tl.begin(name, "ENQUEUE_" + kind)
             self._queue.append(op)
+        if not inline:
+            self._ring_if_asleep()
+        return op.handle
+
+    def _ring_if_asleep(self):
         if self._sleeping and not self._rung:   # one ring per sleep, not one per operation
             self._rung = True
             self._wake()
-        return op.handle
 
     def _wake(self):
         """Wake the loop from its sleep (see _sleep)."""
@@ -222,6 +244,10 @@ class Engine:
 
     def synchronize(self, handle):
         op = self._lookup(handle)
+        if op.inline:
+            op.inline = False
+            if not op.is_done() and not self._drive_until(op):
+                self._ring_if_asleep()      # the loop is running: it sees the op (or is rung)
         while not op.wait_done(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the bluefog_lite communication thread has died")
@@ -275,8 +301,11 @@ class Engine:
     # ---- the loop ---------------------------------------------------------
     def _run(self):
         torch.set_grad_enabled(False)   # thread-local: nothing done here is differentiated
-        status = MPI.Status()
-        idle_since = last_inspect = time.monotonic()
+        with self._drive:                # released only while the thread sleeps (_sleep)
+            self._loop(MPI.Status())
+
+    def _loop(self, status):
+        idle_since = time.monotonic()
         while True:
             marked = False
             if self._queue:
@@ -291,10 +320,7 @@ class Engine:
             if self.mark_cycles and moved and not marked:
                 tl.instant("cycle", "CYCLE_START")
             now = time.monotonic()
-            if now - last_inspect > 0.5:
-                self._inspect_stalls(now)
-                self._flush()
-                last_inspect = now
+            self._inspect_every_half_second(now)
             if moved:
                 idle_since = now
                 continue
@@ -303,7 +329,54 @@ class Engine:
             if self._sleep(now - idle_since, status):
                 idle_since = time.monotonic()
 
-    def _sleep(self, waited, status):
+    def _inspect_every_half_second(self, now):
+        if now - self._last_inspect > 0.5:
+            self._inspect_stalls(now)
+            self._flush()
+            self._last_inspect = now
+
+    def _drive_until(self, op):
+        """Run the loop on the calling thread until op is done; False (nothing done)
+        if the communication thread holds the drive lock, i.e. is awake and will run
+        op itself. The thread meanwhile sleeps (woken, it waits for the hand-back:
+        _sleep_on_bell). Stops early, handing the loop back, if the timeline starts
+        or the engine stops."""
+        if not self._drive.acquire(False):
+            return False
+        self.driven_by_callers += 1
+        bell, status = self.doorbell, self._caller_status
+        try:
+            bell.asleep(0)      # peers need not ring while this thread runs the loop
+            with torch.no_grad():
+                idle_since = _monotonic()
+                while not op.is_done() and tl.current is None and not self._stopping:
+                    moved = self._admit() if self._queue else False
+                    if self._progress(status):
+                        moved = True
+                    now = _monotonic()
+                    self._inspect_every_half_second(now)
+                    if moved:
+                        idle_since = now
+                    elif self._sleep(now - idle_since, status, caller=True):
+                        idle_since = _monotonic()
+        finally:
+            left = self._sleeping and (self._queue or self._expects_news())
+            if self._sleeping and not left:
+                bell.asleep(URGENT_ONLY)     # the thread sleeps idle again (see _sleep)
+            self._drive.release()
+            if left:              # the thread sleeps: wake it for what is left
+                self._handback.set()
+                self._wake()
+        return True
+
+    def _expects_news(self):
+        """True while something in flight needs news from peers: active operations,
+        sends and receives. An idle agent asks to be rung only for large tensors'
+        descriptors (_doorbell.py): other data of operations it has not started can
+        wait in MPI until they start; its callers wake it directly."""
+        return bool(self._active or self._completing or self._sends_pending())
+
+    def _sleep(self, waited, status, caller=False):
         """Wait for the next poll; True if the last look before sleeping found work.
 
         While operations are active, first yield the CPU for a short window
@@ -315,29 +388,54 @@ class Engine:
         sleep until rung (a peer sent something or took what this agent sent, a
         caller enqueued), with a slow MPI poke (progress_poke_s) as a safety net.
         The sleep flag goes up before the last look for work, so that a peer
-        either sees it and rings or has left what the look finds."""
+        either sees it and rings or has left what the look finds.
+
+        The communication thread lets go of the drive lock while it sleeps; a caller
+        running the loop (``caller``) keeps it, and restores the thread's sleeping
+        state when it wakes."""
         if waited < self.yield_window_s and (self._active or self.stream.pending_recvs):
             _yield()     # stay on the CPU a moment: a sleep costs a cold wake-up
             return False
         bell = self.doorbell
         polling = self._needs_polling()
         timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4)) if polling else self.progress_poke_s
+        thread_asleep = self._sleeping    # True only for a caller while the thread sleeps
         self._rung = False
         self._sleeping = True     # set before looking at the queue: a submit after the look rings
-        bell.asleep(1)
+        bell.asleep(ANYTHING if self._expects_news() else URGENT_ONLY)
         try:
             if self._queue or self._stopping or self._progress(status):
                 return True
-            if bell.sock is not None:
+            if caller:
                 bell.wait(timeout)
-            else:
-                with self._cv:
-                    if not self._queue and not self._stopping:
-                        self._cv.wait(timeout)
+                return False
+            self._drive.release()
+            if bell.sock is None:
+                try:
+                    with self._cv:
+                        if not self._queue and not self._stopping:
+                            self._cv.wait(timeout)
+                finally:
+                    self._drive.acquire()
+                return False
+            self._sleep_on_bell(timeout)
             return False
         finally:
             bell.asleep(0)
-            self._sleeping = False
+            self._sleeping = thread_asleep
+
+    def _sleep_on_bell(self, timeout):
+        """The communication thread's sleep; returns holding the drive lock. Woken
+        while a caller runs the loop, it leaves the bell to that caller (the ring may
+        be for it, about to sleep on it) and waits for the caller to hand the loop
+        back (or for timeout, then looks again): taking the lock whenever the caller
+        lets go would take the caller's next operation from it."""
+        bell, drive = self.doorbell, self._drive
+        bell.wait(timeout, drain=False)
+        while not drive.acquire(False):
+            self._handback.wait(timeout)
+            self._handback.clear()
+        bell.drain()
 
     def _needs_polling(self):
         """True while progress depends on MPI calls that no ring announces: data
@@ -404,10 +502,11 @@ class Engine:
         s = self.stream
         sent = s.flush_all()
         if s.to_ring:
-            ring = self.doorbell.ring
+            ring, urgent = self.doorbell.ring, s.urgent
             for r in s.to_ring:
-                ring(r)
+                ring(r, r in urgent)
             s.to_ring.clear()
+            urgent.clear()
         if self._completing:
             done, self._completing = self._completing, []
             recording = tl.current is not None

@@ -214,6 +214,7 @@ class StreamEndpoint:
         self.sent_packets = []    # (request, packet) kept alive until sent
         self.arrived = []         # (src, key) of entries that became ready
         self.to_ring = set()      # peers sent something since the last ring (see _doorbell.py)
+        self.urgent = set()       # ... among them, a large tensor's descriptor (rung even when idle)
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
 
     # ---- sending -------------------------------------------------------
@@ -242,6 +243,7 @@ class StreamEndpoint:
         box.entries.append((key, out.kind, out.meta, ("t", tag, nbytes)))
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
+        self.urgent.add(dst)
         self.stats["data_messages"] += 1
         data_requests.append((self.comm.Isend([out.raw, nbytes, MPI.BYTE], dst, tag), out.tensor))
 

@@ -1,11 +1,13 @@
 """Collective and neighbor operations: validate, name, enqueue.
 
 Every operation has a ``*_nonblocking`` form that returns a handle; the blocking
-form is literally ``synchronize(<nonblocking form>)``. The MPI part runs on the
-communication thread (_engine.py, _tasks.py).
+form is ``synchronize(<nonblocking form>)``. The MPI part runs on the
+communication thread (_engine.py, _tasks.py), or, for a blocking call while the
+thread sleeps and the timeline is off, on the caller (Engine._drive_until).
 """
 import math
 import numbers
+import threading
 
 import torch
 
@@ -16,6 +18,7 @@ from ._runtime import plan_key, state
 _REDUCIBLE = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
               torch.uint8}
 _name_counters = {}
+_caller = threading.local()     # .blocking: the op being enqueued is synchronized at once
 
 
 # ---- argument checks ---------------------------------------------------------
@@ -100,7 +103,18 @@ def _submit(kind, name, make_task, fuse=None):
     arguments: a generated name is used up even by a call that then fails, so that
     generated names stay the same on every agent when an error on some agents is
     caught and the program goes on."""
-    return state().engine.submit(name, kind, make_task, fuse)
+    return state().engine.submit(name, kind, make_task, fuse, getattr(_caller, "blocking", False))
+
+
+def _blocking(nonblocking, *args, **kwargs):
+    """The blocking form of an operation: synchronize(nonblocking(...)), enqueued
+    without waking the communication thread, so that this thread may run it."""
+    _caller.blocking = True
+    try:
+        handle = nonblocking(*args, **kwargs)
+    finally:
+        _caller.blocking = False
+    return synchronize(handle)
 
 
 # ---- handles ---------------------------------------------------------------------
@@ -137,7 +151,7 @@ def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, nam
 
 
 def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
-    return synchronize(allreduce_nonblocking(tensor, average, is_hierarchical_local, name))
+    return _blocking(allreduce_nonblocking, tensor, average, is_hierarchical_local, name)
 
 
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -155,7 +169,7 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
-    return synchronize(allreduce_nonblocking_(tensor, average, is_hierarchical_local, name))
+    return _blocking(allreduce_nonblocking_, tensor, average, is_hierarchical_local, name)
 
 
 def broadcast_nonblocking(tensor, root_rank, name=None):
@@ -166,7 +180,7 @@ def broadcast_nonblocking(tensor, root_rank, name=None):
 
 
 def broadcast(tensor, root_rank, name=None):
-    return synchronize(broadcast_nonblocking(tensor, root_rank, name))
+    return _blocking(broadcast_nonblocking, tensor, root_rank, name)
 
 
 def broadcast_nonblocking_(tensor, root_rank, name=None):
@@ -177,7 +191,7 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
 
 
 def broadcast_(tensor, root_rank, name=None):
-    return synchronize(broadcast_nonblocking_(tensor, root_rank, name))
+    return _blocking(broadcast_nonblocking_, tensor, root_rank, name)
 
 
 def allgather_nonblocking(tensor, name=None):
@@ -189,13 +203,13 @@ def allgather_nonblocking(tensor, name=None):
 
 
 def allgather(tensor, name=None):
-    return synchronize(allgather_nonblocking(tensor, name))
+    return _blocking(allgather_nonblocking, tensor, name)
 
 
 def _allgather_object(obj, name=None):
     """Every agent's obj, in rank order (collective; used for negotiation)."""
     name = _op_name(name, "ALLGATHER")
-    return synchronize(_submit("ALLGATHER", name, lambda e, op: _tasks.allgather_object(e, op, obj)))
+    return _blocking(_submit, "ALLGATHER", name, lambda e, op: _tasks.allgather_object(e, op, obj))
 
 
 def barrier():
@@ -259,9 +273,9 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
 
 def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None):
-    return synchronize(neighbor_allreduce_nonblocking(
-        tensor, self_weight=self_weight, src_weights=src_weights, dst_weights=dst_weights,
-        enable_topo_check=enable_topo_check, name=name))
+    return _blocking(
+        neighbor_allreduce_nonblocking, tensor, self_weight=self_weight, src_weights=src_weights,
+        dst_weights=dst_weights, enable_topo_check=enable_topo_check, name=name)
 
 
 def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True,
@@ -286,8 +300,8 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
 
 
 def neighbor_allgather(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
-    return synchronize(neighbor_allgather_nonblocking(
-        tensor, src_ranks=src_ranks, dst_ranks=dst_ranks, enable_topo_check=enable_topo_check, name=name))
+    return _blocking(neighbor_allgather_nonblocking, tensor, src_ranks=src_ranks, dst_ranks=dst_ranks,
+                     enable_topo_check=enable_topo_check, name=name)
 
 
 def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_machine_weights=None,
@@ -316,9 +330,10 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
 
 def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_weights=None,
                                     dst_machine_weights=None, enable_topo_check=False, name=None):
-    return synchronize(hierarchical_neighbor_allreduce_nonblocking(
-        tensor, self_weight=self_weight, src_machine_weights=src_machine_weights,
-        dst_machine_weights=dst_machine_weights, enable_topo_check=enable_topo_check, name=name))
+    return _blocking(
+        hierarchical_neighbor_allreduce_nonblocking, tensor, self_weight=self_weight,
+        src_machine_weights=src_machine_weights, dst_machine_weights=dst_machine_weights,
+        enable_topo_check=enable_topo_check, name=name)
 
 
 def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
@@ -335,7 +350,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
 
 
 def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
-    return synchronize(pair_gossip_nonblocking(tensor, target_rank, self_weight, pair_weight, name))
+    return _blocking(pair_gossip_nonblocking, tensor, target_rank, self_weight, pair_weight, name)
 
 
 # ---- topology inference (collective) ------------------------------------------------

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bluefog_lite._doorbell import Doorbell
+from bluefog_lite._doorbell import ANYTHING, URGENT_ONLY, Doorbell
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux-only")
 
@@ -136,6 +136,39 @@ def test_an_awake_peer_is_not_rung_a_sleeping_one_is():
         b.asleep(0)
         a.ring(1)
         assert (a.rings, a.rings_skipped) == (1, 2)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="sleep flags live in /dev/shm")
+def test_an_idle_peer_is_rung_only_for_urgent_news():
+    """URGENT_ONLY (an idle agent): only a large tensor's descriptor rings it; ANYTHING: every packet."""
+    a, b = pair_sharing_flags()
+    try:
+        b.asleep(URGENT_ONLY)
+        a.ring(1)
+        assert (a.rings, a.rings_skipped) == (0, 1) and b.wait(0) is False
+        a.ring(1, urgent=True)
+        assert a.rings == 1 and b.wait(1.0) is True
+        b.asleep(ANYTHING)
+        a.ring(1)
+        assert a.rings == 2 and b.wait(1.0) is True
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_ring_left_in_the_socket_wakes_the_next_wait():
+    """wait(drain=False) leaves the ring for another waiter (the engine's thread leaves a
+    caller's ring to the caller); drain() clears it."""
+    a, b = pair()
+    try:
+        a.ring(1)
+        assert b.wait(1.0, drain=False) is True
+        assert b.wait(0, drain=False) is True      # still there
+        b.drain()
+        assert b.wait(0) is False
     finally:
         a.close()
         b.close()

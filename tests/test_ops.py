@@ -42,3 +42,9 @@ def test_data_of_the_next_round_of_a_name_stays_with_the_sender():
 @pytest.mark.parametrize("n", [4, 8])
 def test_fused_groups_match_numpy_when_agents_group_differently(n):
     run_agents(n, "ops_fused_groups.py", timeout=150)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_blocking_calls_run_by_their_caller_match_numpy_and_mix_with_nonblocking_agents(mode):
+    env = {"BLUEFOG_CALLER_PROGRESS": "1" if mode == "on" else "0"}
+    run_agents(4, "ops_caller_progress.py", mode, timeout=120, env=env)

@@ -1,7 +1,8 @@
 """The floor for small blocking exchanges on this host: a minimal exchange that sleeps instead of
 busy-polling, next to raw mpi4py and bf.neighbor_allreduce, in the same run.
 
-    mpiexec -n 4 python examples/benchmarks/bench_floor.py [--size 4K] [--trials 7] [--json out.json]
+    mpiexec -n 4 python examples/benchmarks/bench_floor.py [--size 4K] [--trials 7] [--methods raw,minimal,bf]
+        [--json out.json]
 
 - raw: Neighbor_allgather on a dist-graph communicator + the numpy weighted sum
   (the baseline of bench_neighbor_allreduce.py; MPICH busy-polls while it waits);
@@ -12,6 +13,9 @@ busy-polling, next to raw mpi4py and bf.neighbor_allreduce, in the same run.
   It has no names, no packets, no second thread, no fusion, no timeline and no stall
   inspector;
 - bf: bf.neighbor_allreduce of the same tensor (static Exp-2, uniform weights).
+
+`--methods bf` times bf alone (no busy-polling raw blocks between its blocks);
+compare launches with BLUEFOG_CALLER_PROGRESS=0 and =1 that way.
 
 Not a target of its own: it shows what part of bf's time is this host's (the
 minimal exchange) and what part is the library's per-operation path
@@ -29,6 +33,7 @@ import bluefog_lite as bf
 import topology
 from bluefog_lite._doorbell import Doorbell
 from bluefog_lite._mpi import MPI
+from bluefog_lite._runtime import state
 
 
 class MinimalExchange:
@@ -73,6 +78,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="4K", help="bytes per call (float32)")
     ap.add_argument("--reps", type=int, default=300, help="calls per timed block")
+    ap.add_argument("--methods", default="raw,minimal,bf", help="which of raw,minimal,bf to time")
     ap.add_argument("--yield-window", type=float, default=3e-4, help="seconds of yielding before sleeping")
     _bench.add_common_arguments(ap, trials=7)
     args = ap.parse_args()
@@ -93,17 +99,26 @@ def main():
     t = torch.from_numpy(x)
     methods = {"raw": _bench.raw_static(graph_comm, x, ins), "minimal": minimal,
                "bf": lambda: bf.neighbor_allreduce(t, name="bench.floor")}
-    res = _bench.interleaved(methods, args.reps, args.trials, comm)
+    wanted = args.methods.split(",")
+    unknown = sorted(set(wanted) - set(methods))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
+    res = _bench.interleaved({m: methods[m] for m in wanted}, args.reps, args.trials, comm)
     sleeps = comm.allreduce(minimal.sleeps)
+    by_callers = comm.allreduce(state().engine.driven_by_callers)
     if comm.rank == 0:
-        raw = res["raw"][0]
+        raw = res["raw"][0] if "raw" in res else float("nan")
         print(f"{comm.size} agents, static Exp-2, {_bench.size_label(nbytes)} float32; median of "
               f"{args.trials} trials of the slowest agent's mean ms per call")
         print(f"{'method':>8} {'ms':>8} {'min-max':>15} {'x raw':>6}")
         for name, (med, lo, hi) in res.items():
             print(f"{name:>8} {med * 1e3:8.3f} {lo * 1e3:7.3f}-{hi * 1e3:<7.3f} {med / raw:6.2f}")
-        calls = comm.size * (args.trials * args.reps + 2)
-        print(f"minimal exchange slept on {sleeps} of {calls} calls (all agents)")
+        calls = comm.size * (args.trials * args.reps + 1)
+        if "minimal" in res:
+            print(f"minimal exchange slept on {sleeps} of {calls + comm.size} calls (all agents)")
+        if "bf" in res:
+            print(f"bf: {by_callers} of {calls} calls run by their caller, not the communication "
+                  f"thread (BLUEFOG_CALLER_PROGRESS)")
     rows = [{"key": {"method": name}, "values": {"median_s": v[0], "min_s": v[1], "max_s": v[2]}}
             for name, v in res.items()]
     _bench.write_json(args.json if comm.rank == 0 else None, "floor", comm.size,
