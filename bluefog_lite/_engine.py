@@ -168,7 +168,6 @@ class Engine:
         self.yield_window_s = _env_float("BLUEFOG_YIELD_WINDOW_S", 3e-4)
         self.wait_sleep_max_s = _env_float("BLUEFOG_WAIT_SLEEP_MAX_S", 1e-3)
         self.progress_poke_s = 0.002   # idle MPI poke; windows.py lowers it while windows exist
-        self.caller_progress = os.environ.get("BLUEFOG_CALLER_PROGRESS", "1").strip() not in ("0", "")
         self._lock = threading.Lock()              # queue, names, handles
         self._cv = threading.Condition(self._lock)  # sleeping when there is no doorbell
         self._queue = collections.deque()
@@ -191,6 +190,9 @@ class Engine:
         self._last_inspect = time.monotonic()
         self.driven_by_callers = 0     # blocking operations whose caller ran the loop
         self.doorbell = Doorbell(comm)
+        # blocking calls may run on their caller (needs a bell: the thread must sleep on it)
+        self.caller_progress = (os.environ.get("BLUEFOG_CALLER_PROGRESS", "1").strip() not in ("0", "")
+                                and self.doorbell.sock is not None)
         self._caller_status = MPI.Status()   # for the thread holding the drive lock, if not the loop's
         self._thread = threading.Thread(target=self._run, name="bluefog-communication", daemon=True)
         self._thread.start()
@@ -201,7 +203,7 @@ class Engine:
         ``fuse``: a Fusable, if the op may run fused with others of the same key.
         ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
         loop is not rung now: synchronize runs the loop on the caller if it can."""
-        inline = inline and self.caller_progress and tl.current is None and self.doorbell.sock is not None
+        inline = inline and self.caller_progress and tl.current is None
         with self._lock:
             if self._stopping:
                 raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
@@ -307,20 +309,7 @@ class Engine:
     def _loop(self, status):
         idle_since = time.monotonic()
         while True:
-            marked = False
-            if self._queue:
-                if self.mark_cycles:    # before the work: the caller may stop the timeline once it is done
-                    tl.instant("cycle", "CYCLE_START")
-                    marked = True
-                moved = self._admit()
-            else:
-                moved = False
-            if self._progress(status):
-                moved = True
-            if self.mark_cycles and moved and not marked:
-                tl.instant("cycle", "CYCLE_START")
-            now = time.monotonic()
-            self._inspect_every_half_second(now)
+            moved, now = self._cycle(status)
             if moved:
                 idle_since = now
                 continue
@@ -329,11 +318,28 @@ class Engine:
             if self._sleep(now - idle_since, status):
                 idle_since = time.monotonic()
 
-    def _inspect_every_half_second(self, now):
+    def _cycle(self, status):
+        """One pass of the loop, by whichever thread holds the drive lock: admit what
+        was queued, make progress, inspect stalls every half second. Returns
+        (whether anything moved, the time after the pass)."""
+        marked = False
+        if self._queue:
+            if self.mark_cycles:    # before the work: the caller may stop the timeline once it is done
+                tl.instant("cycle", "CYCLE_START")
+                marked = True
+            moved = self._admit()
+        else:
+            moved = False
+        if self._progress(status):
+            moved = True
+        if self.mark_cycles and moved and not marked:
+            tl.instant("cycle", "CYCLE_START")
+        now = time.monotonic()
         if now - self._last_inspect > 0.5:
             self._inspect_stalls(now)
             self._flush()
             self._last_inspect = now
+        return moved, now
 
     def _drive_until(self, op):
         """Run the loop on the calling thread until op is done; False (nothing done)
@@ -350,21 +356,19 @@ class Engine:
             with torch.no_grad():
                 idle_since = _monotonic()
                 while not op.is_done() and tl.current is None and not self._stopping:
-                    moved = self._admit() if self._queue else False
-                    if self._progress(status):
-                        moved = True
-                    now = _monotonic()
-                    self._inspect_every_half_second(now)
+                    moved, now = self._cycle(status)
                     if moved:
                         idle_since = now
                     elif self._sleep(now - idle_since, status, caller=True):
                         idle_since = _monotonic()
         finally:
-            left = self._sleeping and (self._queue or self._expects_news())
-            if self._sleeping and not left:
-                bell.asleep(URGENT_ONLY)     # the thread sleeps idle again (see _sleep)
+            left = False
+            if self._sleeping:       # the thread sleeps: wake it for what is left, or let it idle
+                left = bool(self._queue or self._expects_news())
+                if not left:
+                    bell.asleep(URGENT_ONLY)     # (see _sleep)
             self._drive.release()
-            if left:              # the thread sleeps: wake it for what is left
+            if left:
                 self._handback.set()
                 self._wake()
         return True

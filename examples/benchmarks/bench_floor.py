@@ -31,7 +31,7 @@ import torch
 
 import bluefog_lite as bf
 import topology
-from bluefog_lite._doorbell import Doorbell
+from bluefog_lite._doorbell import ANYTHING, Doorbell
 from bluefog_lite._mpi import MPI
 from bluefog_lite._runtime import state
 
@@ -60,7 +60,7 @@ class MinimalExchange:
             if time.monotonic() - t0 < self.yield_window_s:
                 os.sched_yield()
                 continue
-            bell.asleep(1)                # flag up, look once more, then sleep until rung
+            bell.asleep(ANYTHING)         # flag up, look once more, then sleep until rung
             try:
                 if MPI.Request.Testall(reqs):
                     break
