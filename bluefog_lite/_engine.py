@@ -10,8 +10,10 @@ The loop runs under the *drive lock*. The communication thread holds it except
 while it sleeps; a caller of a blocking operation that finds it free (the thread
 asleep) runs the loop itself until its operation is done (Engine._drive_until),
 so that a blocking call costs no hand-over to the thread and no wake-up back: on
-shared cores every wake-up is paid in CPU. The timeline keeps every operation
-on the communication thread (its MPI_ spans belong there).
+shared cores every wake-up is paid in CPU. A small blocking neighbor_allreduce
+on an idle agent goes further and holds the lock without running the loop at
+all (hold_if_idle, _quick.py). The timeline keeps every operation on the
+communication thread (its MPI_ spans belong there).
 """
 import collections
 import itertools
@@ -350,28 +352,81 @@ class Engine:
         if not self._drive.acquire(False):
             return False
         self.driven_by_callers += 1
-        bell, status = self.doorbell, self._caller_status
         try:
-            bell.asleep(0)      # peers need not ring while this thread runs the loop
-            with torch.no_grad():
-                idle_since = _monotonic()
-                while not op.is_done() and tl.current is None and not self._stopping:
-                    moved, now = self._cycle(status)
-                    if moved:
-                        idle_since = now
-                    elif self._sleep(now - idle_since, status, caller=True):
-                        idle_since = _monotonic()
+            self._run_until(op)
         finally:
-            left = False
-            if self._sleeping:       # the thread sleeps: wake it for what is left, or let it idle
-                left = bool(self._queue or self._expects_news())
-                if not left:
-                    bell.asleep(URGENT_ONLY)     # (see _sleep)
-            self._drive.release()
-            if left:
-                self._handback.set()
-                self._wake()
+            self._let_go()
         return True
+
+    def _run_until(self, op):
+        """The loop, run by a caller that holds the drive lock, until op is done."""
+        self.doorbell.asleep(0)      # peers need not ring while this thread runs the loop
+        status = self._caller_status
+        with torch.no_grad():
+            idle_since = _monotonic()
+            while not op.is_done() and tl.current is None and not self._stopping:
+                moved, now = self._cycle(status)
+                if moved:
+                    idle_since = now
+                elif self._sleep(now - idle_since, status, caller=True):
+                    idle_since = _monotonic()
+
+    def _let_go(self):
+        """A caller releases the drive lock: if the thread sleeps, wake it for what is
+        left (handing the loop back), or let it idle."""
+        left = False
+        if self._sleeping:
+            left = bool(self._queue or self._expects_news())
+            if not left:
+                self.doorbell.asleep(URGENT_ONLY)     # (see _sleep)
+        self._drive.release()
+        if left:
+            self._handback.set()
+            self._wake()
+
+    # ---- a call its caller runs alone (_quick.py) ---------------------------
+    def hold_if_idle(self, name):
+        """Take the loop for a call that the caller will run without it: True, holding
+        the drive lock with name in use, if the thread sleeps and nothing is queued,
+        in flight or unsent; False, taking nothing, otherwise (also when name is in
+        use or the engine stops: submit then says so)."""
+        if not self._drive.acquire(False):
+            return False
+        if (self._queue or self._active or self._completing or self._discard or self.stream.outboxes
+                or self._stopping or name in self._names):
+            self._let_go()
+            return False
+        with self._lock:
+            self._names.add(name)
+        self.driven_by_callers += 1
+        self.doorbell.asleep(0)      # peers need not ring while this thread runs the loop
+        return True
+
+    def release_hold(self, name):
+        """End hold_if_idle for a call that finished without becoming an operation."""
+        s = self.stream
+        if s.sent_packets:
+            s.sent_packets = [(r, p) for r, p in s.sent_packets if not r.Test()]
+        s.arrived.clear()     # nothing waits (the engine was idle): no one to resume
+        with self._lock:
+            self._names.discard(name)
+        self._let_go()
+
+    def continue_held(self, name, kind, task):
+        """Under hold_if_idle: make the call an operation (task as for submit; name is
+        already in use), run the loop until it is done, let go. Returns its handle
+        for synchronize."""
+        try:
+            with self._lock:
+                op = Op(next(self._handles), name, kind, None)
+                op.task = task(self, op)
+                self._ops[op.handle] = op
+            self._active.add(op)
+            self._step(op, None)
+            self._run_until(op)
+        finally:
+            self._let_go()
+        return op.handle
 
     def _expects_news(self):
         """True while something in flight needs news from peers: active operations,

@@ -36,6 +36,14 @@ def _aligned(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _header(entries):
+    """The pieces of a packet before its inline bytes: the header's length, the
+    pickled entries, padding to _ALIGN."""
+    header = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)
+    used = _HEAD.size + len(header)
+    return _HEAD.pack(len(header)), header, _PADDING[_aligned(used) - used]
+
+
 _EMPTY = np.empty(0, np.uint8)
 _PADDING = [bytes(n) for n in range(_ALIGN)]
 
@@ -91,12 +99,27 @@ class Outgoing:
 
 class Entry:
     """One received item. ``value`` is a tensor (a view into the packet or a
-    private buffer) or an object; ``ready`` turns True when its bytes are in."""
-    __slots__ = ("src", "key", "meta", "is_tensor", "value", "ready", "_release")
+    private buffer) or an object; ``ready`` turns True when its bytes are in.
+    A small tensor with a numpy dtype arrives as ``array``, a numpy view into the
+    packet, and becomes a tensor when ``value`` is first read (_quick.py computes
+    with the array and never makes one)."""
+    __slots__ = ("src", "key", "meta", "is_tensor", "array", "_value", "ready", "_release")
 
     def __init__(self, src, key, meta, is_tensor):
         self.src, self.key, self.meta, self.is_tensor = src, key, meta, is_tensor
-        self.value, self.ready, self._release = None, False, None
+        self.array = self._value = None
+        self.ready, self._release = False, None
+
+    @property
+    def value(self):
+        v = self._value
+        if v is None and self.array is not None:
+            v = self._value = torch.from_numpy(self.array)
+        return v
+
+    @value.setter
+    def value(self, v):
+        self._value = v
 
     def describe(self):
         if not self.is_tensor:
@@ -108,7 +131,7 @@ class Entry:
         if self._release is not None:
             self._release()
             self._release = None
-        self.value = None
+        self._value = self.array = None
 
 
 class Slab:
@@ -146,6 +169,7 @@ class Member:
     """One operation's part of a Slab; behaves as an Entry."""
     __slots__ = ("slab", "index", "released")
     is_tensor = True
+    array = None       # (see Entry) its value is always a tensor, a view of the slab
 
     def __init__(self, slab, index):
         self.slab, self.index, self.released = slab, index, False
@@ -216,6 +240,7 @@ class StreamEndpoint:
         self.to_ring = set()      # peers sent something since the last ring (see _doorbell.py)
         self.urgent = set()       # ... among them, a large tensor's descriptor (rung even when idle)
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
+        self._headers = {}        # (key, meta) -> packet header of one small tensor (small_packet)
 
     # ---- sending -------------------------------------------------------
     def queue_tensor(self, dst, key, out, data_requests):
@@ -258,16 +283,30 @@ class StreamEndpoint:
         box = self.outboxes.pop(dst, None)
         if box is None or not box.entries:
             return None
-        header = pickle.dumps(box.entries, protocol=pickle.HIGHEST_PROTOCOL)
-        used = _HEAD.size + len(header)
         # one join copies the header and every inline payload (padded) into the packet
-        packet = b"".join([_HEAD.pack(len(header)), header, _PADDING[_aligned(used) - used], *box.pieces])
-        req = self.comm.Isend([packet, MPI.BYTE], dst, STREAM_TAG)
-        self.stats["packets"] += 1
-        self.stats["entries"] += len(box.entries)
-        self.sent_packets.append((req, packet))
+        packet = b"".join([*_header(box.entries), *box.pieces])
+        req = self.send_packet(dst, packet, len(box.entries))
         self.to_ring.add(dst)
         return req
+
+    def send_packet(self, dst, packet, entries=1):
+        req = self.comm.Isend([packet, _BYTE], dst, STREAM_TAG)
+        self.stats["packets"] += 1
+        self.stats["entries"] += entries
+        self.sent_packets.append((req, packet))
+        return req
+
+    def small_packet(self, key, meta, raw):
+        """The packet of one small tensor (dtype and shape ``meta``, bytes ``raw``)
+        under key, as flush_one would build it; each (key, meta)'s header is made once."""
+        head = self._headers.get((key, meta))
+        if head is None:
+            if len(self._headers) >= 1024:      # generated names: do not grow without bound
+                self._headers.clear()
+            head = self._headers[(key, meta)] = b"".join(
+                _header([(key, _KIND_TENSOR, meta, ("i", 0, raw.nbytes))]))
+        n = raw.nbytes
+        return b"".join((head, raw, _PADDING[_aligned(n) - n]))
 
     def flush_all(self):
         sent = False
@@ -303,7 +342,12 @@ class StreamEndpoint:
                 self.arrived.append((src, key))
             elif loc[0] == "i":
                 raw = packet[start + loc[1]:start + loc[1] + loc[2]]
-                entry.value, entry.ready = _as_tensor(raw, meta), True
+                npdt = _dtypes_of(meta[0])[1]
+                if npdt is not None and raw.size:
+                    entry.array = np.ndarray(meta[1], npdt, raw)
+                else:
+                    entry.value = _as_tensor(raw, meta)
+                entry.ready = True
                 self.arrived.append((src, key))
             else:
                 self.unposted.append(LargeReceive(entry, loc[1], loc[2], [(src, key)]))

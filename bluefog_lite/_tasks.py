@@ -310,11 +310,24 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
     with _phase(name, "COMMUNICATE"):
         _send_all(eng, op, name, x, send_plan)
         entries = yield Recv([(src, name) for src in recv_from])
+    return average_of(op, x, out, self_weight, src_weights, entries)
+
+
+def neighbor_allreduce_rest(eng, op, x, out, self_weight, src_weights, keys):
+    """The second half of neighbor_allreduce, for a call whose sends are made (_quick.py)."""
+    with _phase(op.name, "COMMUNICATE"):
+        entries = yield Recv(keys)
+    return average_of(op, x, out, self_weight, src_weights, entries)
+
+
+def average_of(op, x, out, self_weight, src_weights, entries):
+    """out = the weighted average of x and the neighbors' entries (released after).
+    op: anything with the call's kind and name (for the error message)."""
     try:
         _check_same(op, x, entries)
-        with _phase(name, "COMPUTE_AVERAGE"):
+        with _phase(op.name, "COMPUTE_AVERAGE"):
             return weighted_sum(out, x, self_weight,
-                                 [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
+                                [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
     finally:
         _release(entries)
 

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from . import _tasks
+from . import _quick, _tasks
 from ._engine import Fusable
 from ._runtime import plan_key, state
 
@@ -254,12 +254,33 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
     else uniform 1/(in-degree+1)). dst_weights (list or {rank: weight}) selects
     dynamic mode: send to those ranks (scaled by the weight), receive from the
     keys of src_weights."""
+    return _submit_neighbor_allreduce(*_neighbor_allreduce_call(
+        tensor, self_weight, src_weights, dst_weights, enable_topo_check, name))
+
+
+def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
+                       enable_topo_check=True, name=None):
+    call = _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name)
+    name, x, st, sw, srcw, plan, recv_from, check = call
+    if not check:     # a small tensor while the engine idles: see _quick.py
+        result = _quick.neighbor_allreduce(st.engine, name, x, sw, srcw, plan, recv_from)
+        if result is not None:
+            return result
+    return _blocking(_submit_neighbor_allreduce, *call)
+
+
+def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name):
+    """The validated arguments: (name, tensor, state, self_weight, src_weights,
+    send_plan, recv_from, check)."""
     name = _op_name(name, "NEIGHBOR_ALLREDUCE")
     x = _numeric(_tensor(tensor), "neighbor_allreduce")
     st = state()
     sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                st.size, st.rank, "neighbor_allreduce")
-    check = bool(enable_topo_check) and dynamic
+    return name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic
+
+
+def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check):
     fuse = None
     if not check:   # ops of one plan and dtype admitted together run as one (see _engine._fuse)
         topo = st.topology
@@ -269,13 +290,6 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
             _tasks.neighbor_allreduce_fused(e, lead, members, sw, srcw, plan, recv_from)))
     return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _tasks.neighbor_allreduce(
         e, op, x, sw, srcw, plan, recv_from, check), fuse)
-
-
-def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
-                       enable_topo_check=True, name=None):
-    return _blocking(
-        neighbor_allreduce_nonblocking, tensor, self_weight=self_weight, src_weights=src_weights,
-        dst_weights=dst_weights, enable_topo_check=enable_topo_check, name=name)
 
 
 def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True,

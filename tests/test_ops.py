@@ -48,3 +48,8 @@ def test_fused_groups_match_numpy_when_agents_group_differently(n):
 def test_blocking_calls_run_by_their_caller_match_numpy_and_mix_with_nonblocking_agents(mode):
     env = {"BLUEFOG_CALLER_PROGRESS": "1" if mode == "on" else "0"}
     run_agents(4, "ops_caller_progress.py", mode, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_quick_blocking_calls_match_numpy_late_neighbors_threads_and_errors(n):
+    run_agents(n, "ops_quick.py", timeout=150)

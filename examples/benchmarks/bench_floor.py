@@ -105,7 +105,10 @@ def main():
         raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
     res = _bench.interleaved({m: methods[m] for m in wanted}, args.reps, args.trials, comm)
     sleeps = comm.allreduce(minimal.sleeps)
-    by_callers = comm.allreduce(state().engine.driven_by_callers)
+    eng = state().engine
+    by_callers = comm.allreduce(eng.driven_by_callers)
+    quick = comm.allreduce(eng.stream.stats["quick"])
+    continued = comm.allreduce(eng.stream.stats["quick_continued"])
     if comm.rank == 0:
         raw = res["raw"][0] if "raw" in res else float("nan")
         print(f"{comm.size} agents, static Exp-2, {_bench.size_label(nbytes)} float32; median of "
@@ -118,7 +121,8 @@ def main():
             print(f"minimal exchange slept on {sleeps} of {calls + comm.size} calls (all agents)")
         if "bf" in res:
             print(f"bf: {by_callers} of {calls} calls run by their caller, not the communication "
-                  f"thread (BLUEFOG_CALLER_PROGRESS)")
+                  f"thread (BLUEFOG_CALLER_PROGRESS); quick path: {quick} finished on it, {continued} "
+                  "continued in the loop")
     rows = [{"key": {"method": name}, "values": {"median_s": v[0], "min_s": v[1], "max_s": v[2]}}
             for name, v in res.items()]
     _bench.write_json(args.json if comm.rank == 0 else None, "floor", comm.size,

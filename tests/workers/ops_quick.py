@@ -1,0 +1,124 @@
+"""The quick path of small blocking neighbor_allreduce calls (_quick.py): the
+caller sends, receives and averages without the loop's machinery, and a call
+whose inputs are late becomes an ordinary operation.
+
+1. A loop of blocking float32 4 KB calls (x <- W x, static Exp-2) matches numpy's
+   W^k x0, and most calls finished on the quick path (stream stats).
+2. Dynamic one-peer Exp-2 with scaled sends (dst_weights 0.5) and no topology
+   check: every step matches numpy; quick path taken.
+3. A late neighbor: rank 0 sleeps 30 ms before each of 3 calls, so its
+   out-neighbors' calls outlast the yield window and continue as operations of
+   the loop ("quick_continued"); results still right.
+4. A second thread of every agent runs nonblocking operations under other names
+   while the main thread makes blocking calls: every result right.
+5. A neighbor passing another shape: the receivers raise ValueError naming it,
+   and the name is free again for the next call.
+"""
+import threading
+import time
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology
+from bluefog_lite._runtime import state
+
+bf.init(topology_fn=topology.ExponentialTwoGraph)
+n, r = bf.size(), bf.rank()
+G = topology.ExponentialTwoGraph(n)
+A = (topology.mixing_matrix(G) > 0).astype(float)
+np.fill_diagonal(A, 1.0)
+mix = (A / A.sum(axis=0, keepdims=True)).T     # uniform 1/(in-degree+1): new x = mix @ x
+stats = state().engine.stream.stats
+rng = np.random.default_rng(11)
+
+# 1. static loop
+x0 = rng.standard_normal((n, 1024)).astype(np.float32)
+x = torch.from_numpy(x0[r].copy())
+
+
+def taken():
+    """Calls that took the quick path, finished on it or continued in the loop (on a
+    loaded host a neighbor is often late by more than the yield window)."""
+    return stats["quick"] + stats["quick_continued"]
+
+
+taken0, steps = taken(), 100
+for _ in range(steps):
+    x = bf.neighbor_allreduce(x, name="loop")
+want = np.linalg.matrix_power(mix, steps) @ x0.astype(np.float64)
+assert np.allclose(x.numpy(), want[r], rtol=1e-4, atol=1e-5), f"rank {r}: static loop diverged from W^k x0"
+quick = taken() - taken0
+assert quick >= steps // 2, f"rank {r}: only {quick} of {steps} calls took the quick path"
+
+# 2. dynamic one-peer schedule with scaled sends
+schedules = [topology.GetDynamicOnePeerSendRecvRanks(G, i) for i in range(n)]
+x0 = rng.standard_normal((n, 7, 3)).astype(np.float32)
+x = torch.from_numpy(x0[r].copy())
+ref = x0.astype(np.float64)
+taken0 = taken()
+for step in range(12):
+    plans = [next(sch) for sch in schedules]      # (send_to, recv_from) of every agent
+    send, recv = plans[r]
+    x = bf.neighbor_allreduce(x, self_weight=0.5, src_weights={s: 1.0 for s in recv},
+                              dst_weights={d: 0.5 for d in send}, enable_topo_check=False, name="dyn")
+    ref = np.stack([0.5 * ref[i] + sum(0.5 * ref[s] for s in plans[i][1]) for i in range(n)])
+    assert np.allclose(x.numpy(), ref[r], rtol=1e-4, atol=1e-5), f"rank {r}: dynamic step {step} is wrong"
+assert taken() > taken0, f"rank {r}: no dynamic call took the quick path"
+
+# 3. a late neighbor
+late = rng.standard_normal((n, 256)).astype(np.float32)
+continued0 = stats["quick_continued"]
+for k in range(3):
+    if r == 0:
+        time.sleep(0.03)
+    got = bf.neighbor_allreduce(torch.from_numpy(late[r] * (k + 1)), name="late")
+    assert np.allclose(got.numpy(), (mix @ late.astype(np.float64))[r] * (k + 1), rtol=1e-5, atol=1e-5), \
+        f"rank {r}: late call {k} is wrong"
+if 0 in bf.in_neighbor_ranks():
+    assert stats["quick_continued"] > continued0, f"rank {r}: waiting for rank 0 never continued in the loop"
+
+# 4. a second thread with nonblocking operations
+bg_in = rng.standard_normal((20, n, 64)).astype(np.float32)
+bg_out = {}
+
+
+def background():
+    torch.set_num_threads(1)
+    for i in range(20):
+        h = bf.neighbor_allreduce_nonblocking(torch.from_numpy(bg_in[i, r].copy()), name=f"bg.{i}")
+        bg_out[i] = bf.synchronize(h)
+
+
+t = threading.Thread(target=background)
+t.start()
+fg = torch.from_numpy(x0[r, 0].copy())
+for _ in range(30):
+    fg = bf.neighbor_allreduce(fg, name="fg")
+t.join()
+want = np.linalg.matrix_power(mix, 30) @ x0[:, 0].astype(np.float64)
+assert np.allclose(fg.numpy(), want[r], rtol=1e-4, atol=1e-5), f"rank {r}: foreground loop is wrong"
+for i in range(20):
+    assert np.allclose(bg_out[i].numpy(), (mix @ bg_in[i].astype(np.float64))[r], rtol=1e-5, atol=1e-5), \
+        f"rank {r}: background op {i} is wrong"
+
+# 5. another shape from a neighbor, then the same name again
+try:
+    bf.neighbor_allreduce(torch.ones(4 if r == 0 else 5), name="shape")
+    error = None
+except ValueError as e:
+    error = str(e)
+if r == 0:
+    assert error and "sent float32[5] but this agent has float32[4]" in error, error
+elif 0 in bf.in_neighbor_ranks():
+    assert error and "rank 0 sent float32[4]" in error and "same shape" in error, error
+else:
+    assert error is None, error
+bf.barrier()
+again = bf.neighbor_allreduce(torch.full((5,), float(r)), name="shape")
+assert np.allclose(again.numpy(), (mix @ np.arange(n, dtype=np.float64))[r]), f"rank {r}: name not reusable"
+
+bf.barrier()
+print(f"AGENT OK {r} (quick {stats['quick']}, continued {stats['quick_continued']})", flush=True)
+bf.shutdown()
