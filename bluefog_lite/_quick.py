@@ -84,13 +84,21 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
 
 def _average(out, xa, self_weight, src_weights, entries):
     """out = self_weight * x + the weighted entries, in numpy (a small tensor's torch
-    operations cost several times more than their arithmetic); entries released."""
+    operations cost several times more than their arithmetic); entries released.
+    Equal weights (every default topology) are summed first and scaled once."""
     acc = out.numpy()
-    np.multiply(xa, self_weight, out=acc)
+    weights = [src_weights.get(e.src, 0.0) for e in entries]
+    if entries and self_weight != 0 and all(w == self_weight for w in weights):
+        np.add(xa, entries[0].array, out=acc)
+        for e in entries[1:]:
+            acc += e.array
+        acc *= self_weight
+    else:
+        np.multiply(xa, self_weight, out=acc)
+        for e, w in zip(entries, weights):
+            if w != 0:
+                acc += e.array * w
     for e in entries:
-        w = src_weights.get(e.src, 0.0)
-        if w != 0:
-            acc += e.array * w
         e.release()
     return out
 
