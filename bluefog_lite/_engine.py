@@ -392,12 +392,18 @@ class Engine:
         use or the engine stops: submit then says so)."""
         if not self._drive.acquire(False):
             return False
-        if (self._queue or self._active or self._completing or self._discard or self.stream.outboxes
-                or self._stopping or name in self._names):
-            self._let_go()
-            return False
         with self._lock:
-            self._names.add(name)
+            idle = not (self._queue or self._active or self._completing or self._discard
+                        or self.stream.outboxes or self._stopping or name in self._names)
+            if idle:
+                self._names.add(name)
+        if not idle:      # nothing changed: let go without waking the thread for what it has
+            queued = bool(self._queue)
+            self._drive.release()
+            if queued and self._sleeping:     # it may have been rung for these meanwhile
+                self._handback.set()
+                self._wake()
+            return False
         self.driven_by_callers += 1
         self.doorbell.asleep(0)      # peers need not ring while this thread runs the loop
         return True

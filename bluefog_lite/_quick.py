@@ -3,9 +3,10 @@
 A blocking call on a small tensor, made while the communication thread sleeps
 with nothing in flight and the timeline is off, needs little of the loop: the
 caller sends one packet to each out-neighbor, looks for the in-neighbors'
-packets between yields of the CPU, and averages. Each call of the general path
-costs ~150 µs of Python on this host (an operation object, its generator,
-admission, the outbox, the inbox's waiters, completion); this path skips them.
+packets between yields of the CPU, and averages with numpy. A call of the
+general path costs ~150 µs of CPU on this host (an operation object, its
+generator, admission, the outbox, the inbox's waiters, completion, torch
+operations on 4 KB); this path skips them and takes about half of that.
 The packets are the ones the loop builds (_stream.py), so neighbors on either
 path understand each other.
 
