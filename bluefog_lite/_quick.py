@@ -48,7 +48,9 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
     the caller then runs the general path."""
     s = eng.stream
     if (tl.current is not None or x.dtype not in _FLOATS or not eng.caller_progress
-            or not 0 < x.numel() * x.element_size() <= s.inline_limit or not eng.hold_if_idle(name)):
+            or not 0 < x.numel() * x.element_size() <= s.inline_limit):
+        return None
+    if not eng.hold_if_idle(name):
         return None
     held = True
     try:

@@ -34,6 +34,8 @@ def _tensor(t, what="tensor"):
         raise TypeError(f"{what} is sparse; pass a dense tensor")
     if t.requires_grad:
         t = t.detach()
+    if t.is_neg() or t.is_conj():    # a lazy negated/conjugated view: its bytes are not its values
+        t = t.resolve_neg().resolve_conj()
     return t if t.is_contiguous() else t.contiguous()
 
 

@@ -13,6 +13,8 @@ whose inputs are late becomes an ordinary operation.
    while the main thread makes blocking calls: every result right.
 5. A neighbor passing another shape: the receivers raise ValueError naming it,
    and the name is free again for the next call.
+6. A lazily negated view (the neg bit of conj().imag) sends its values, not its
+   stored bytes, on either path.
 """
 import threading
 import time
@@ -118,6 +120,17 @@ else:
 bf.barrier()
 again = bf.neighbor_allreduce(torch.full((5,), float(r)), name="shape")
 assert np.allclose(again.numpy(), (mix @ np.arange(n, dtype=np.float64))[r]), f"rank {r}: name not reusable"
+
+# 6. a lazily negated view whose values are not its bytes: conj().imag of a one-element
+#    complex tensor is contiguous and carries the neg bit (larger ones are copied anyway)
+neg = rng.standard_normal(n).astype(np.float32)
+z = torch.complex(torch.zeros(1), torch.tensor([neg[r]]))
+assert z.conj().imag.is_neg() and z.conj().imag.is_contiguous()
+want = (mix @ -neg.astype(np.float64))[r]
+got = bf.neighbor_allreduce(z.conj().imag, name="neg")
+assert np.allclose(got.numpy(), [want], rtol=1e-5, atol=1e-6), f"rank {r}: negated view, blocking"
+got = bf.synchronize(bf.neighbor_allreduce_nonblocking(z.conj().imag, name="neg"))
+assert np.allclose(got.numpy(), [want], rtol=1e-5, atol=1e-6), f"rank {r}: negated view, nonblocking"
 
 bf.barrier()
 print(f"AGENT OK {r} (quick {stats['quick']}, continued {stats['quick_continued']})", flush=True)
