@@ -37,3 +37,7 @@ def test_after_a_caught_timeout_the_next_op_of_that_name_gets_fresh_data():
 
 def test_a_fused_group_that_times_out_fails_every_member_and_leaves_no_stale_data():
     run_agents(4, "runtime_timeout_fused.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
+
+
+def test_idle_thread_sleeps_long_and_still_takes_operations():
+    run_agents(4, "runtime_idle.py", timeout=90)
