@@ -120,3 +120,15 @@ def test_floor_benchmark_checks_its_average_and_reports_three_methods(tmp_path):
     times = {row["key"]["method"]: row["values"]["median_s"] for row in result["rows"]}
     assert set(times) == {"raw", "minimal", "bf"}
     assert all(0 < t < 1 for t in times.values()), times
+
+
+def test_idle_benchmark_reports_both_settings(tmp_path):
+    """bench_idle.py (not part of run_all): both poke settings measured, positive rates."""
+    out_json = tmp_path / "idle.json"
+    rc, out = run_agents(2, os.path.join(BENCH, "bench_idle.py"), "--trials", "1", "--seconds", "0.2",
+                         "--json", out_json, timeout=90, expect_ok=False)
+    assert rc == 0, out[-4000:]
+    result = json.loads(out_json.read_text())
+    assert result["bench"] == "idle" and result["agents"] == 2
+    rates = {row["key"]["setting"]: row["values"]["median"] for row in result["rows"]}
+    assert set(rates) == {"idle_poke_50ms", "poke_2ms"} and all(r > 0 for r in rates.values()), rates
