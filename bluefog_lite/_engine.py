@@ -413,8 +413,7 @@ class Engine:
     def release_hold(self, name):
         """End hold_if_idle for a call that finished without becoming an operation."""
         s = self.stream
-        if s.sent_packets:
-            s.sent_packets = [(r, p) for r, p in s.sent_packets if not r.Test()]
+        s.test_sends()
         s.arrived.clear()     # nothing waits (the engine was idle): no one to resume
         with self._lock:
             self._names.discard(name)
@@ -599,7 +598,7 @@ class Engine:
         if s.pending_recvs and s.test_recvs():
             moved = True
         if s.sent_packets:
-            s.sent_packets = [(r, p) for r, p in s.sent_packets if not r.Test()]
+            s.test_sends()
         if s.arrived:
             # only operations that something arrived for are looked at
             arrived, s.arrived = s.arrived, []

@@ -381,6 +381,10 @@ class StreamEndpoint:
         req = self.comm.Irecv([buf, large.nbytes, MPI.BYTE], item.src, large.tag)
         self.pending_recvs.append((req, item))
 
+    def test_sends(self):
+        """Let go of the packets whose sends have completed (until then they are kept alive)."""
+        self.sent_packets = [(r, p) for r, p in self.sent_packets if not r.Test()]
+
     def test_recvs(self):
         """Mark large-tensor entries whose bytes have arrived as ready, and ring their
         senders back: the operation that sent them completes once its send has."""

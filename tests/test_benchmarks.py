@@ -107,15 +107,20 @@ def test_report_covers_every_benchmark_and_summarizes_repeats(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+def _bench_json(tmp_path, script, agents, *args, timeout):
+    """Run a benchmark script on agents with --json; it must exit 0. Returns the JSON."""
+    out_json = tmp_path / (script + ".json")
+    rc, out = run_agents(agents, os.path.join(BENCH, script), *args, "--json", out_json, timeout=timeout,
+                         expect_ok=False)
+    assert rc == 0, out[-4000:]
+    return json.loads(out_json.read_text())
+
+
 def test_floor_benchmark_checks_its_average_and_reports_three_methods(tmp_path):
     """bench_floor.py (not part of run_all): its minimal exchange must compute the
     neighbor average numpy computes (the script exits non-zero otherwise), and
     the JSON has a positive time for raw, minimal and bf."""
-    out_json = tmp_path / "floor.json"
-    rc, out = run_agents(3, os.path.join(BENCH, "bench_floor.py"), "--trials", "2", "--reps", "20",
-                         "--json", out_json, timeout=150, expect_ok=False)
-    assert rc == 0, out[-4000:]
-    result = json.loads(out_json.read_text())
+    result = _bench_json(tmp_path, "bench_floor.py", 3, "--trials", "2", "--reps", "20", timeout=150)
     assert result["bench"] == "floor" and result["agents"] == 3
     times = {row["key"]["method"]: row["values"]["median_s"] for row in result["rows"]}
     assert set(times) == {"raw", "minimal", "bf"}
@@ -124,11 +129,7 @@ def test_floor_benchmark_checks_its_average_and_reports_three_methods(tmp_path):
 
 def test_idle_benchmark_reports_both_settings(tmp_path):
     """bench_idle.py (not part of run_all): both poke settings measured, positive rates."""
-    out_json = tmp_path / "idle.json"
-    rc, out = run_agents(2, os.path.join(BENCH, "bench_idle.py"), "--trials", "1", "--seconds", "0.2",
-                         "--json", out_json, timeout=90, expect_ok=False)
-    assert rc == 0, out[-4000:]
-    result = json.loads(out_json.read_text())
+    result = _bench_json(tmp_path, "bench_idle.py", 2, "--trials", "1", "--seconds", "0.2", timeout=90)
     assert result["bench"] == "idle" and result["agents"] == 2
     rates = {row["key"]["setting"]: row["values"]["median"] for row in result["rows"]}
     assert set(rates) == {"idle_poke_50ms", "poke_2ms"} and all(r > 0 for r in rates.values()), rates
