@@ -14,37 +14,33 @@ from .timeline import _recorder as tl
 
 
 class _Phase:
-    """A timeline sub-phase on the communication thread (stays open across yields)."""
-    __slots__ = ("name", "activity")
+    """A timeline sub-phase on the communication thread (stays open across yields),
+    on the row of one operation or, for a fused group, of each member (one clock
+    read and one append for all of them)."""
+    __slots__ = ("names", "activity", "events")
 
-    def __init__(self, name, activity):
-        self.name, self.activity = name, activity
-
-    def __enter__(self):
-        tl.begin(self.name, self.activity)
-
-    def __exit__(self, *exc):
-        tl.end(self.name)
-
-
-class _Phases:
-    """The same sub-phase on the rows of several operations (a fused group)."""
-    __slots__ = ("names", "activity")
-
-    def __init__(self, names, activity):
-        self.names, self.activity = names, activity
+    def __init__(self, names, activity, events):
+        self.names, self.activity, self.events = names, activity, events
 
     def __enter__(self):
-        for name in self.names:
-            tl.begin(name, self.activity)
+        t, tid, activity = tl.now_ns(), tl.ident(), self.activity
+        names = self.names
+        if names.__class__ is str:
+            self.events.append(("B", t, names, activity, tid))
+        else:
+            self.events.extend([("B", t, name, activity, tid) for name in names])
 
     def __exit__(self, *exc):
-        for name in self.names:
-            tl.end(name)
+        t, tid = tl.now_ns(), tl.ident()
+        names = self.names
+        if names.__class__ is str:
+            self.events.append(("E", t, names, None, tid))
+        else:
+            self.events.extend([("E", t, name, None, tid) for name in names])
 
 
 class _Off:
-    """What _phase and _phases give while the timeline is off: nothing to record."""
+    """What _phase gives while the timeline is off: nothing to record."""
     __slots__ = ()
 
     def __enter__(self):
@@ -57,12 +53,10 @@ class _Off:
 _OFF = _Off()
 
 
-def _phase(name, activity):
-    return _OFF if tl.current is None else _Phase(name, activity)
-
-
-def _phases(names, activity):
-    return _OFF if tl.current is None else _Phases(names, activity)
+def _phase(names, activity):
+    """``with _phase(name or [names], activity):`` records the block as a sub-phase."""
+    rec = tl.current
+    return _OFF if rec is None else _Phase(names, activity, rec.events)
 
 
 def _describe(t):
@@ -286,12 +280,27 @@ def _send_all(eng, op, key, x, send_plan, members=None):
         _mark_sends(op.name, (dst for dst, _ in send_plan))
 
 
-def _mark_sends(name, dsts):
-    """Timeline: an instant "SEND_TO r1,r2" on the op's row, the ranks this call sent
-    to (bftimeline draws its send -> receive arrows from it). dsts may be a generator:
-    nothing is built while the timeline is off."""
-    if tl.current is not None:
-        tl.instant(name, "SEND_TO " + ",".join(map(str, dsts)))
+_SEND_TO = {}    # tuple of destination ranks -> its "SEND_TO r1,r2" activity
+
+
+def _mark_sends(names, dsts):
+    """Timeline: an instant "SEND_TO r1,r2" on the row of each operation in names (a
+    name or a list), the ranks the call sent to (bftimeline draws its send -> receive
+    arrows from it). dsts may be a generator: nothing is built while the timeline is off."""
+    rec = tl.current
+    if rec is None:
+        return
+    dsts = tuple(dsts)
+    activity = _SEND_TO.get(dsts)
+    if activity is None:
+        if len(_SEND_TO) >= 4096:      # a long run of ever new destination sets
+            _SEND_TO.clear()
+        activity = _SEND_TO[dsts] = "SEND_TO " + ",".join(map(str, dsts))
+    t, tid = tl.now_ns(), tl.ident()
+    if names.__class__ is str:
+        rec.events.append(("i", t, names, activity, tid))
+    else:
+        rec.events.extend([("i", t, name, activity, tid) for name in names])
 
 
 def scaled(x, scale):
@@ -342,17 +351,15 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
     xs = [x for _, x in members]
     names = [op.name for op in ops]
     sizes = [x.numel() for x in xs]
-    with _phases(names, "ALLOCATE_OUTPUT"):
+    with _phase(names, "ALLOCATE_OUTPUT"):
         out = torch.empty(sum(sizes), dtype=xs[0].dtype)
-    with _phases(names, "MEMCPY_IN_FUSION_BUFFER"):
+    with _phase(names, "MEMCPY_IN_FUSION_BUFFER"):
         flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
     shapes = [tuple(x.shape) for x in xs]
     desc = list(zip(names, shapes, sizes))
-    with _phases(names, "COMMUNICATE"):
+    with _phase(names, "COMMUNICATE"):
         _send_all(eng, lead, None, flat, send_plan, desc)
-        if tl.current is not None:
-            for name in names:
-                _mark_sends(name, (dst for dst, _ in send_plan))
+        _mark_sends(names, (dst for dst, _ in send_plan))
         entries = yield Recv([(src, name) for src in recv_from for name in names])
     try:
         k = len(names)
@@ -361,7 +368,7 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
                  for j in range(len(recv_from))]
         if any(p is None for p in parts):     # someone sent another shape or dtype
             return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
-        with _phases(names, "COMPUTE_AVERAGE"):
+        with _phase(names, "COMPUTE_AVERAGE"):
             weighted_sum(out, flat, self_weight,
                          [(p, src_weights.get(src, 0.0)) for p, src in zip(parts, recv_from)])
         for op, x, part in zip(ops, xs, out.split(sizes)):   # split: ~8x cheaper than slicing

@@ -5,7 +5,11 @@ as in ``model.named_parameters()``, the names the optimizer wrappers use for
 its communication, so that a layer's compute and communication share a row):
 
 - FORWARD: the forward of the module that owns the parameter (forward
-  pre-hook to forward hook);
+  pre-hook to forward hook). The end hook runs before the module's other
+  forward hooks, even ones registered earlier (an optimizer wrapper's launch of
+  the parameter's communication), so the ENQUEUE span those start follows
+  FORWARD on the row instead of overlapping it (which the writer would have to
+  split into two slices);
 - BACKWARD: the stretch of back-propagation that ends with the parameter's
   gradient (a hook on the parameter). It begins where the previous stretch of
   the same backward pass ended -- when the previous module's gradients were
@@ -87,7 +91,7 @@ def timeline_install_hooks(model, prefix=""):
             owner.setdefault(id(p), index)
         fwd = tuple(names[id(p)] for p in own)
         handles.append(module.register_forward_pre_hook(_forward_begin(fwd, state)))
-        handles.append(module.register_forward_hook(_forward_end(fwd, state), always_call=True))
+        handles.append(module.register_forward_hook(_forward_end(fwd, state), always_call=True, prepend=True))
     handles.append(model.register_forward_hook(_pass_forward_end(state)))
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -160,6 +160,17 @@ def test_forward_backward_share_the_row_of_the_parameter(ops_traces):
         assert pid["0.weight"] < pid["1.weight"] < pid["3.weight"] < pid["5.weight"]
 
 
+def test_forward_ends_before_the_modules_other_forward_hooks(ops_traces):
+    """A communication launched by a forward hook registered before the timeline's
+    starts after FORWARD ended: one ENQUEUE slice, not one split around FORWARD's end."""
+    _, traces = ops_traces
+    for t in traces:
+        forward = [s for s in t.spans if s[0] == "late.weight" and s[2] == "FORWARD"]
+        enqueue = [s for s in t.spans if s[0] == "late.weight" and s[2].startswith("ENQUEUE_")]
+        assert len(forward) == 1 and len(enqueue) == 1, (forward, enqueue)
+        assert enqueue[0][3] >= forward[0][4], (forward, enqueue)
+
+
 def test_optimizer_wrappers_record_compute_and_communication_per_parameter(ops_traces):
     _, traces = ops_traces
     for t in traces:

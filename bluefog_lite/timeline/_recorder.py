@@ -11,8 +11,8 @@ import time
 
 current = None   # the active Recorder, or None
 
-_now_ns = time.perf_counter_ns
-_ident = threading.get_ident
+_now_ns = now_ns = time.perf_counter_ns    # the clock of every event
+_ident = ident = threading.get_ident
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
 #   phase 'B' begin, 'S' scoped begin, 'E' end, 'i' instant

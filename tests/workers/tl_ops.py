@@ -38,6 +38,19 @@ for step in range(3):
     for h in grads:
         bf.synchronize(h)
     model.zero_grad()
+
+# A module whose own forward hook (registered first, as by an optimizer wrapper
+# created before the timeline was configured) launches communication: FORWARD
+# must end before that hook runs.
+late = torch.nn.Linear(4, 4)
+launched = []
+late.register_forward_hook(
+    lambda m, i, o: launched.append(bf.neighbor_allreduce_nonblocking(m.weight.detach(), name="late.weight")))
+late_hooks = bf.timeline_install_hooks(late, prefix="late.")
+late(torch.randn(2, 4))
+for h in launched:
+    bf.synchronize(h)
+late_hooks.remove()
 hooks.remove()
 
 
