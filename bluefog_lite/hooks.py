@@ -106,9 +106,8 @@ def _forward_begin(names, state):
             return
         if state.begun:
             state.begun.clear()    # a new pass began without the model's own hooks seeing it
-        tid = _ident()
-        for name in names:
-            rec.begin_scoped(name, "FORWARD", tid)
+        now, tid = _now_ns(), _ident()
+        rec.events.extend([("S", now, name, "FORWARD", tid) for name in names])
     return hook
 
 
@@ -117,10 +116,8 @@ def _forward_end(names, state):
         rec = _recorder.current
         if rec is None:
             return
-        tid, now = _ident(), _now_ns()
-        append = rec.events.append
-        for name in reversed(names):
-            append(("E", now, name, "FORWARD", tid))
+        now, tid = _now_ns(), _ident()
+        rec.events.extend([("E", now, name, "FORWARD", tid) for name in reversed(names)])
         state.last = now
     return hook
 
