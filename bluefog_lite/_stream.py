@@ -48,6 +48,17 @@ _EMPTY = np.empty(0, np.uint8)
 _PADDING = [bytes(n) for n in range(_ALIGN)]
 
 
+def plain(t):
+    """t, detached, with its values in its own contiguous memory: a lazily negated or
+    conjugated view (the neg/conj bit, e.g. ``z.conj().imag``) is resolved, as its
+    bytes are not its values, and a non-contiguous tensor is copied. No copy otherwise."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def tensor_bytes(t):
     """A flat uint8 numpy view of a contiguous CPU tensor (no copy)."""
     if not t.numel():

@@ -27,6 +27,7 @@ import torch
 
 from ._engine import OpTimeout, Requests, Sleep, Turn
 from ._mpi import MPI
+from ._stream import plain
 from ._tasks import _phase, exchange_headers, scaled, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
@@ -286,7 +287,7 @@ def create(eng, op, win, problem, meta, zero_init):
                 b.zero_()
     with _phase(op.name, "COMMUNICATE"):
         # Buffers start as a copy of the neighbor's tensor: each agent pushes its own.
-        src = win.tensor.detach().contiguous()
+        src = plain(win.tensor)
         for dst in win.out_ranks:
             if win.nbytes and not views[dst][2]:
                 lay = win.layouts[dst]

@@ -14,6 +14,7 @@ import torch
 from . import _quick, _tasks
 from ._engine import Fusable
 from ._runtime import plan_key, state
+from ._stream import plain
 
 _REDUCIBLE = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
               torch.uint8}
@@ -24,7 +25,8 @@ _caller = threading.local()     # .blocking: the op being enqueued is synchroniz
 # ---- argument checks ---------------------------------------------------------
 
 def _tensor(t, what="tensor"):
-    """The contiguous CPU tensor to send (a copy only if t is not contiguous)."""
+    """The contiguous CPU tensor to send (a copy only if t is not contiguous or is a
+    lazily negated/conjugated view)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -32,11 +34,7 @@ def _tensor(t, what="tensor"):
                         "(move it with .cpu() first)")
     if t.is_sparse:
         raise TypeError(f"{what} is sparse; pass a dense tensor")
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_neg() or t.is_conj():    # a lazy negated/conjugated view: its bytes are not its values
-        t = t.resolve_neg().resolve_conj()
-    return t if t.is_contiguous() else t.contiguous()
+    return plain(t)
 
 
 def _numeric(t, op):

@@ -14,6 +14,7 @@ import torch
 
 from . import _win_tasks
 from ._runtime import state
+from ._stream import plain
 from .ops import _rank, _weight, _weight_dict
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
@@ -50,7 +51,7 @@ def _matching_tensor(tensor, win, what):
         raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} does not match window "
                          f"{win.name!r} ({_describe(win.dtype, win.shape)}); pass a tensor of the window's "
                          "shape and dtype")
-    return tensor.detach().contiguous()
+    return plain(tensor)
 
 
 def _neighbor_weights(weights, allowed, what, direction, st, win):

@@ -186,6 +186,22 @@ bf.barrier()
 bf.win_free()
 bf.turn_off_win_ops_with_associated_p()
 
+# -- a lazily negated view (neg bit; bytes are not values) as the window's tensor and as a put -----
+zc = torch.tensor([complex(1.0, rank + 1.0)], dtype=torch.complex128)
+neg = zc.conj().imag                       # -(rank + 1), contiguous, one element
+assert neg.is_neg() and neg.is_contiguous()
+bf.win_create(neg, "neg")
+close(bf.win_update("neg", clone=True), np.array([-u * sum(s + 1.0 for s in [rank] + IN)]))
+bf.barrier()
+bf.win_put(neg, "neg", dst_weights={d: 2.0 for d in OUT})
+bf.barrier()
+y = bf.win_update("neg")                   # in place, into the view (through the neg bit)
+assert y.is_neg()                          # the window's own tensor
+close(y.resolve_neg(), np.array([-u * (rank + 1.0 + sum(2.0 * (s + 1.0) for s in IN))]))
+close(zc.imag, -y.resolve_neg().numpy())
+bf.barrier()
+bf.win_free("neg")
+
 # -- weighted topology: win_update defaults to the graph's weights; float32 and int windows --------
 Gw = topo.RingGraph(size)
 assert bf.set_topology(Gw, is_weighted=True)
