@@ -419,6 +419,20 @@ class Engine:
             self._names.discard(name)
         self._let_go()
 
+    def held_take(self, keys):
+        """Under hold_if_idle: receive what has come in, then take the entries for
+        every key (src, name), or None while any is missing (nothing taken)."""
+        entries = self._take_all(keys)
+        if entries is None and self.stream.receive(self._caller_status):
+            entries = self._take_all(keys)
+        return entries
+
+    def held_interrupted(self):
+        """Under hold_if_idle: True once the loop is needed for something else (an
+        operation another thread queued, a large tensor announced or arriving)."""
+        s = self.stream
+        return bool(self._queue or s.unposted or s.pending_recvs)
+
     def continue_held(self, name, kind, task):
         """Under hold_if_idle: make the call an operation (task as for submit; name is
         already in use), run the loop until it is done, let go. Returns its handle

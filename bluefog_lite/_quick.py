@@ -109,19 +109,16 @@ def _average(out, xa, self_weight, src_weights, entries):
 def _gather(eng, keys):
     """The entries for keys once all have arrived, or None if that takes longer
     than the yield window or something else needs the loop."""
-    s, status, take = eng.stream, eng._caller_status, eng._take_all
     window = min(eng.yield_window_s, _LONGEST_SPIN_S)
+    take = eng.held_take
     entries = take(keys)
     since = None
     while entries is None:
-        if s.receive(status):
-            entries = take(keys)
-            if entries is not None:
-                break
         now = _monotonic()
         if since is None:
             since = now
-        elif now - since > window or eng._queue or s.unposted or s.pending_recvs:
+        elif now - since > window or eng.held_interrupted():
             return None
         _yield()
+        entries = take(keys)
     return entries
