@@ -36,6 +36,11 @@ def _aligned(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _inline_entry(key, kind, meta, offset, nbytes):
+    """A header entry whose bytes are in the packet, ``offset`` bytes after the header."""
+    return (key, kind, meta, ("i", offset, nbytes))
+
+
 def _header(entries):
     """The pieces of a packet before its inline bytes: the header's length, the
     pickled entries, padding to _ALIGN."""
@@ -267,7 +272,7 @@ class StreamEndpoint:
             if box.inline_bytes + nbytes > self.fusion_threshold and box.entries:
                 self.flush_one(dst)
                 box = self.outboxes[dst] = Outbox()
-            box.entries.append((key, out.kind, out.meta, ("i", box.inline_bytes, nbytes)))
+            box.entries.append(_inline_entry(key, out.kind, out.meta, box.inline_bytes, nbytes))
             padded = _aligned(nbytes)
             box.pieces.append(out.raw)
             if padded != nbytes:
@@ -315,7 +320,7 @@ class StreamEndpoint:
             if len(self._headers) >= 1024:      # generated names: do not grow without bound
                 self._headers.clear()
             head = self._headers[(key, meta)] = b"".join(
-                _header([(key, _KIND_TENSOR, meta, ("i", 0, raw.nbytes))]))
+                _header([_inline_entry(key, _KIND_TENSOR, meta, 0, raw.nbytes)]))
         n = raw.nbytes
         return b"".join((head, raw, _PADDING[_aligned(n) - n]))
 
