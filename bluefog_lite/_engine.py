@@ -543,6 +543,9 @@ class Engine:
         return bool(self.stream.sent_packets or self.stream.pending_recvs)
 
     def _admit(self):
+        q = self._queue
+        if q and q[-1].fuse is not None and self.stream.fusion_threshold and self._thread.ident == _get_ident():
+            self._settle(q)
         with self._lock:
             new, self._queue = list(self._queue), collections.deque()
         if tl.current is not None:
@@ -553,6 +556,21 @@ class Engine:
             self._step(op, None)
         self._flush()
         return True
+
+    @staticmethod
+    def _settle(q):
+        """Before the thread admits fusable calls: a caller may be in the middle of a
+        burst of them (an optimizer launching every parameter's communication). Yield
+        while the queue grows, at most ~0.2 ms, so that the burst runs as one group,
+        cut the same way on every agent (a group that crosses a neighbor's boundary
+        must be gathered with a copy, _tasks._joined). A lone call costs one yield."""
+        n, t0 = len(q), _monotonic()
+        while True:
+            os.sched_yield()
+            m = len(q)
+            if m == n or _monotonic() - t0 > 0.0002:
+                return
+            n = m
 
     def _fuse(self, ops):
         """Group the small fusable ops of one admission by key (each group at most the

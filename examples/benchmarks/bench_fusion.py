@@ -18,6 +18,7 @@ import torch
 import bluefog_lite as bf
 import topology
 from bluefog_lite._mpi import MPI
+from bluefog_lite._runtime import state
 
 
 def main():
@@ -35,7 +36,10 @@ def main():
     small = [torch.rand(nbytes // 4) for _ in range(args.count)]
     big = torch.rand(args.count * nbytes // 4)
 
+    calls = [0]
+
     def fused():
+        calls[0] += 1
         handles = [bf.neighbor_allreduce_nonblocking(t, name=f"bench.fuse.{i}") for i, t in enumerate(small)]
         for h in handles:
             bf.synchronize(h)
@@ -44,11 +48,17 @@ def main():
                "one_op": lambda: bf.neighbor_allreduce(big, name="bench.fuse.one"),
                "fused": fused}
     reps = min(args.max_reps, 20)
+    stats = state().engine.stream.stats
+    before = {k: stats[k] for k in ("fused_groups", "fused_joined_copies")}
     res = _bench.interleaved(methods, reps, args.trials, comm)
+    # how the calls were cut into groups (summed over agents, per fused call of one agent)
+    groups, copies = (comm.allreduce(stats[k] - before[k]) / max(1, comm.allreduce(calls[0]))
+                      for k in ("fused_groups", "fused_joined_copies"))
     values = {f"{m}_s": v[0] for m, v in res.items()}
     values["fused/raw"] = res["fused"][0] / res["raw"][0]
     values["fused/one_op"] = res["fused"][0] / res["one_op"][0]
     values["one_op/raw"] = res["one_op"][0] / res["raw"][0]
+    values["groups_per_call"], values["copies_per_call"] = groups, copies
     key = {"count": args.count, "bytes": nbytes}
     if comm.rank == 0:
         total = _bench.size_label(args.count * nbytes)
@@ -57,6 +67,8 @@ def main():
         print(f"fused {values['fused_s'] * 1e3:.3f}  one op {values['one_op_s'] * 1e3:.3f}  "
               f"raw {values['raw_s'] * 1e3:.3f}  fused/raw {values['fused/raw']:.2f}  "
               f"fused/one op {values['fused/one_op']:.2f}  one op/raw {values['one_op/raw']:.2f}")
+        print(f"per fused call and agent: {groups:.2f} groups, {copies:.2f} neighbor groups gathered with a copy "
+              "(cut differently from this agent's)")
     _bench.write_json(args.json if comm.rank == 0 else None, "fusion", comm.size,
                       {"count": args.count, "bytes": nbytes, "trials": args.trials, "reps": reps},
                       [{"key": key, "values": values}])
