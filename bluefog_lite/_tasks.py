@@ -15,28 +15,17 @@ from .timeline import _recorder as tl
 
 class _Phase:
     """A timeline sub-phase on the communication thread (stays open across yields),
-    on the row of one operation or, for a fused group, of each member (one clock
-    read and one append for all of them)."""
-    __slots__ = ("names", "activity", "events")
+    on the row of one operation or, for a fused group, of each member."""
+    __slots__ = ("names", "activity", "rec")
 
-    def __init__(self, names, activity, events):
-        self.names, self.activity, self.events = names, activity, events
+    def __init__(self, names, activity, rec):
+        self.names, self.activity, self.rec = names, activity, rec
 
     def __enter__(self):
-        t, tid, activity = tl.now_ns(), tl.ident(), self.activity
-        names = self.names
-        if names.__class__ is str:
-            self.events.append(("B", t, names, activity, tid))
-        else:
-            self.events.extend([("B", t, name, activity, tid) for name in names])
+        self.rec.rows("B", self.names, self.activity)
 
     def __exit__(self, *exc):
-        t, tid = tl.now_ns(), tl.ident()
-        names = self.names
-        if names.__class__ is str:
-            self.events.append(("E", t, names, None, tid))
-        else:
-            self.events.extend([("E", t, name, None, tid) for name in names])
+        self.rec.rows("E", self.names, None)
 
 
 class _Off:
@@ -56,7 +45,7 @@ _OFF = _Off()
 def _phase(names, activity):
     """``with _phase(name or [names], activity):`` records the block as a sub-phase."""
     rec = tl.current
-    return _OFF if rec is None else _Phase(names, activity, rec.events)
+    return _OFF if rec is None else _Phase(names, activity, rec)
 
 
 def _describe(t):
@@ -296,11 +285,7 @@ def _mark_sends(names, dsts):
         if len(_SEND_TO) >= 4096:      # a long run of ever new destination sets
             _SEND_TO.clear()
         activity = _SEND_TO[dsts] = "SEND_TO " + ",".join(map(str, dsts))
-    t, tid = tl.now_ns(), tl.ident()
-    if names.__class__ is str:
-        rec.events.append(("i", t, names, activity, tid))
-    else:
-        rec.events.extend([("i", t, name, activity, tid) for name in names])
+    rec.rows("i", names, activity)
 
 
 def scaled(x, scale):

@@ -106,19 +106,18 @@ def _forward_begin(names, state):
             return
         if state.begun:
             state.begun.clear()    # a new pass began without the model's own hooks seeing it
-        now, tid = _now_ns(), _ident()
-        rec.events.extend([("S", now, name, "FORWARD", tid) for name in names])
+        rec.rows("S", names, "FORWARD")
     return hook
 
 
 def _forward_end(names, state):
+    closing = names[::-1]      # innermost first: the begins went in the order of names
+
     def hook(module, args, output):
         rec = _recorder.current
         if rec is None:
             return
-        now, tid = _now_ns(), _ident()
-        rec.events.extend([("E", now, name, "FORWARD", tid) for name in reversed(names)])
-        state.last = now
+        state.last = rec.rows("E", closing, "FORWARD")
     return hook
 
 

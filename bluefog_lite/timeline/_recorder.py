@@ -11,8 +11,8 @@ import time
 
 current = None   # the active Recorder, or None
 
-_now_ns = now_ns = time.perf_counter_ns    # the clock of every event
-_ident = ident = threading.get_ident
+_now_ns = time.perf_counter_ns
+_ident = threading.get_ident
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
 #   phase 'B' begin, 'S' scoped begin, 'E' end, 'i' instant
@@ -42,6 +42,17 @@ class Recorder:
 
     def instant(self, tensor_name, activity, tid=None):
         self.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))
+
+    def rows(self, ph, names, activity):
+        """One event per name (a name, or a sequence of names) at one instant on the
+        calling thread: a sub-phase of a fused group, FORWARD of a module's
+        parameters. Returns the instant."""
+        t, tid = _now_ns(), _ident()
+        if names.__class__ is str:
+            self.events.append((ph, t, names, activity, tid))
+        else:
+            self.events.extend([(ph, t, name, activity, tid) for name in names])
+        return t
 
     def name_thread(self, name, tid=None):
         self.thread_names[tid or _ident()] = name
