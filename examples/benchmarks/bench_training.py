@@ -20,6 +20,7 @@ agents * batch / (slowest agent's mean step time). Figures are medians over roun
 import argparse
 import copy
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -125,6 +126,7 @@ def main():
             if m == "awc_timeline":
                 bf.timeline_stop()
                 hooks.remove()
+    shutil.rmtree(folder, ignore_errors=True)      # this agent's own folder: only the times are kept
     if "winput" in runs:
         runs["winput"][1].free_windows()
     samples = comm.size * args.batch
