@@ -106,10 +106,12 @@ def _running(eng, handles):
     return out
 
 
-def _submit(win, kind, make_task):
+def _submit(win, kind, make_task, blocking=False):
     """Enqueue a window op under the window's name, or a numbered variant while that
     name is taken (ops keep their names until synchronized). Ops of one window run
-    in the order they were issued."""
+    in the order they were issued. ``blocking``: the caller waits for it at once,
+    so it may run the loop itself (Engine.submit's ``inline``) instead of waking
+    the communication thread."""
     eng = state().engine
     win.handles = _unsynchronized(eng, win.handles)
     used = {n for _, n in win.handles}
@@ -121,7 +123,7 @@ def _submit(win, kind, make_task):
             # The engine builds the task under its queue lock once the name is accepted:
             # tickets follow queue order and no ticket is lost to a refused name.
             h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
-                win, win.take_ticket(), make_task(eng, op)))
+                win, win.take_ticket(), make_task(eng, op)), inline=blocking)
         except ValueError:      # a non-window op of that name is in flight
             if k > 1000:
                 raise
@@ -208,7 +210,7 @@ def get_current_created_window_names():
 
 # ---- put / accumulate / get ---------------------------------------------------------
 
-def _put_nonblocking(kind, tensor, name, self_weight, dst_weights, require_mutex):
+def _put_nonblocking(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking=False):
     what = kind.lower()
     st, win = _window(name, what)
     x = _matching_tensor(tensor, win, what)
@@ -219,7 +221,7 @@ def _put_nonblocking(kind, tensor, name, self_weight, dst_weights, require_mutex
     sw = None if self_weight is None else _weight(self_weight, f"{what}: self_weight")
     accumulate, with_p = kind == "WIN_ACCUMULATE", _with_p
     return _submit(win, kind, lambda eng, op: _win_tasks.put(
-        eng, op, win, tensor, x, dstw, sw, bool(require_mutex), accumulate, with_p))
+        eng, op, win, tensor, x, dstw, sw, bool(require_mutex), accumulate, with_p), blocking)
 
 
 def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -231,7 +233,7 @@ def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, requir
 
 
 def win_put(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
-    return win_wait(win_put_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
+    return win_wait(_put_nonblocking("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex, True))
 
 
 def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -240,13 +242,18 @@ def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None,
 
 
 def win_accumulate(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
-    return win_wait(win_accumulate_nonblocking(tensor, name, self_weight, dst_weights, require_mutex))
+    return win_wait(_put_nonblocking("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex,
+                                     True))
 
 
 def win_get_nonblocking(name, src_weights=None, require_mutex=False):
     """Fetch src_weights[j] * (in-neighbor j's window tensor) into this agent's buffer
     for j (default: every in-neighbor, weight 1). What is fetched is j's exposed
     copy, refreshed by j's own win_create / win_update / win_get."""
+    return _get(name, src_weights, require_mutex, False)
+
+
+def _get(name, src_weights, require_mutex, blocking):
     st, win = _window(name, "win_get")
     if src_weights is None:
         srcw = {r: 1.0 for r in win.in_ranks}
@@ -254,11 +261,11 @@ def win_get_nonblocking(name, src_weights=None, require_mutex=False):
         srcw = _neighbor_weights(src_weights, win.in_ranks, "win_get: src_weights", "in", st, win)
     with_p = _with_p
     return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(
-        eng, op, win, srcw, bool(require_mutex), with_p))
+        eng, op, win, srcw, bool(require_mutex), with_p), blocking)
 
 
 def win_get(name, src_weights=None, require_mutex=False):
-    return win_wait(win_get_nonblocking(name, src_weights, require_mutex))
+    return win_wait(_get(name, src_weights, require_mutex, True))
 
 
 # ---- update ---------------------------------------------------------------------------
@@ -280,7 +287,7 @@ def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone
                                 st, win)
     with_p = _with_p
     return win_wait(_submit(win, "WIN_UPDATE", lambda eng, op: _win_tasks.update(
-        eng, op, win, sw, nbw, bool(reset), bool(clone), bool(require_mutex), with_p)))
+        eng, op, win, sw, nbw, bool(reset), bool(clone), bool(require_mutex), with_p), True))
 
 
 def win_update_then_collect(name, require_mutex=True):
@@ -308,11 +315,12 @@ def win_mutex(name, for_self=False, ranks=None):
         if for_self:
             targets.append(st.rank)
     targets = sorted(set(targets))
-    win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets)))
+    win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets), True))
     try:
         yield
     finally:
-        win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets)))
+        win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets),
+                         True))
 
 
 def get_win_version(name):
