@@ -80,7 +80,8 @@ def main():
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--dir", default=None, help="keep the timeline files here (default: a temporary folder, removed at the end)")
+    ap.add_argument("--dir", default=None,
+                    help="keep the timeline files here (default: a temporary folder, removed at the end)")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")
     args = ap.parse_args()
 

@@ -86,7 +86,8 @@ bf.win_free("cp")
 if mode == "on":
     assert win_driven >= 5, f"rank {r}: only {win_driven} of 10 blocking win_put calls were run by their caller"
 else:
-    assert win_driven == 0, f"rank {r}: {win_driven} win_put calls were run by the caller with BLUEFOG_CALLER_PROGRESS=0"
+    assert win_driven == 0, \
+        f"rank {r}: {win_driven} win_put calls were run by the caller with BLUEFOG_CALLER_PROGRESS=0"
 
 bf.barrier()
 print(f"AGENT OK {r} (caller ran {driven} of {steps} blocking calls, {win_driven} of 10 win_put calls)", flush=True)
