@@ -1,5 +1,6 @@
-"""One-sided window operations: validate, name, enqueue (the MPI RMA part runs on
-the communication thread, _win_tasks.py).
+"""One-sided window operations: validate, name, enqueue. The MPI RMA part is a task
+of the engine's loop (_win_tasks.py), run by the communication thread, or by the
+caller of a blocking call made while that thread sleeps.
 
 A window is created collectively from a tensor; each agent then owns one receive
 buffer per in-neighbor of the topology the window was created with. Puts,
@@ -210,7 +211,8 @@ def get_current_created_window_names():
 
 # ---- put / accumulate / get ---------------------------------------------------------
 
-def _put_nonblocking(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking=False):
+def _put(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking):
+    """Enqueue a WIN_PUT or WIN_ACCUMULATE; returns its handle."""
     what = kind.lower()
     st, win = _window(name, what)
     x = _matching_tensor(tensor, win, what)
@@ -229,21 +231,20 @@ def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, requir
     (default: every out-neighbor, weight 1), then multiply ``tensor`` by self_weight
     in place (if given). With require_mutex, the targets' mutexes are held meanwhile.
     Returns a handle for win_poll / win_wait."""
-    return _put_nonblocking("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex)
+    return _put("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex, False)
 
 
 def win_put(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
-    return win_wait(_put_nonblocking("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex, True))
+    return win_wait(_put("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex, True))
 
 
 def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
     """Like win_put_nonblocking, but adds into the target buffers."""
-    return _put_nonblocking("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex)
+    return _put("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex, False)
 
 
 def win_accumulate(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
-    return win_wait(_put_nonblocking("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex,
-                                     True))
+    return win_wait(_put("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex, True))
 
 
 def win_get_nonblocking(name, src_weights=None, require_mutex=False):
@@ -254,6 +255,7 @@ def win_get_nonblocking(name, src_weights=None, require_mutex=False):
 
 
 def _get(name, src_weights, require_mutex, blocking):
+    """Enqueue a WIN_GET; returns its handle."""
     st, win = _window(name, "win_get")
     if src_weights is None:
         srcw = {r: 1.0 for r in win.in_ranks}
