@@ -566,7 +566,7 @@ class Engine:
         must be gathered with a copy, _tasks._joined). A lone call costs one yield."""
         n, t0 = len(q), _monotonic()
         while True:
-            os.sched_yield()
+            _yield()
             m = len(q)
             if m == n or _monotonic() - t0 > 0.0002:
                 return
