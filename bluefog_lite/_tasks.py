@@ -15,17 +15,18 @@ from .timeline import _recorder as tl
 
 class _Phase:
     """A timeline sub-phase on the communication thread (stays open across yields),
-    on the row of one operation or, for a fused group, of each member."""
-    __slots__ = ("names", "activity", "rec")
+    on the row of one operation or, for a fused group, of each member. Recorded
+    as one complete span when it ends."""
+    __slots__ = ("names", "activity", "rec", "begin")
 
     def __init__(self, names, activity, rec):
         self.names, self.activity, self.rec = names, activity, rec
 
     def __enter__(self):
-        self.rec.rows("B", self.names, self.activity)
+        self.begin = tl.now_ns()
 
     def __exit__(self, *exc):
-        self.rec.rows("E", self.names, None)
+        self.rec.spans(self.names, self.activity, self.begin)
 
 
 class _Off:
@@ -285,7 +286,7 @@ def _mark_sends(names, dsts):
         if len(_SEND_TO) >= 4096:      # a long run of ever new destination sets
             _SEND_TO.clear()
         activity = _SEND_TO[dsts] = "SEND_TO " + ",".join(map(str, dsts))
-    rec.rows("i", names, activity)
+    rec.instants(names, activity)
 
 
 def scaled(x, scale):

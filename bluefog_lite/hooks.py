@@ -90,8 +90,10 @@ def timeline_install_hooks(model, prefix=""):
         for p in own:
             owner.setdefault(id(p), index)
         fwd = tuple(names[id(p)] for p in own)
-        handles.append(module.register_forward_pre_hook(_forward_begin(fwd, state)))
-        handles.append(module.register_forward_hook(_forward_end(fwd, state), always_call=True, prepend=True))
+        begins = []            # begin times of this module's forward calls in progress
+        handles.append(module.register_forward_pre_hook(_forward_begin(fwd, state, begins)))
+        handles.append(module.register_forward_hook(_forward_end(fwd, state, begins), always_call=True,
+                                                     prepend=True))
     handles.append(model.register_forward_hook(_pass_forward_end(state)))
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -99,25 +101,26 @@ def timeline_install_hooks(model, prefix=""):
     return TimelineHooks(handles)
 
 
-def _forward_begin(names, state):
+def _forward_begin(names, state, begins):
     def hook(module, args):
         rec = _recorder.current
         if rec is None:
             return
         if state.begun:
             state.begun.clear()    # a new pass began without the model's own hooks seeing it
-        rec.rows("S", names, "FORWARD")
+        begins.append(_now_ns())
     return hook
 
 
-def _forward_end(names, state):
-    closing = names[::-1]      # innermost first: the begins went in the order of names
-
+def _forward_end(names, state, begins):
     def hook(module, args, output):
+        if not begins:             # its begin was not recorded
+            return
+        begin = begins.pop()       # (a module called inside its own forward nests)
         rec = _recorder.current
         if rec is None:
             return
-        state.last = rec.rows("E", closing, "FORWARD")
+        state.last = rec.spans(names, "FORWARD", begin)
     return hook
 
 
@@ -147,9 +150,7 @@ def _gradient_ready(name, module_index, state):
             begin = state.begun[module_index] = state.last
         state.last = now
         if begin:
-            tid = _ident()
-            rec.events.append(("S", begin, name, "BACKWARD", tid))
-            rec.events.append(("E", now, name, "BACKWARD", tid))
+            rec.events.append(("X", (begin, now), name, "BACKWARD", _ident()))
     return hook
 
 

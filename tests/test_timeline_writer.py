@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bluefog_lite.timeline import _api, _control, _recorder
-from bluefog_lite.timeline._reader import read_events, read_spans
+from bluefog_lite.timeline._reader import iter_events, read_events, read_spans
 from bluefog_lite.timeline._writer import Writer
 
 META = {"rank": 0}
@@ -64,6 +64,40 @@ def test_time_never_goes_backwards_on_a_row(tmp_path):
     # the end of an ENQUEUE is stamped by the communication thread: it may be a hair early
     events, _ = write(tmp_path, [("B", 5000, "a", "X", 1), ("E", 4990, "a", None, 1)])
     assert spans(events) == [(1, "X", 5.0, 5.0)]
+
+
+def test_complete_spans_are_written_after_what_they_contain(tmp_path):
+    """Sub-phases, FORWARD and BACKWARD are recorded once they end ("X"): after the
+    instants inside them, which must neither move them nor be moved."""
+    c = 2
+    events, _ = write(tmp_path, [("B", 1000, "p", "MPI_OP", c), ("i", 2500, "p", "SEND_TO 1", c),
+                                 ("X", (2000, 4000), "p", "COMMUNICATE", c),
+                                 ("X", (4000, 4500), "p", "COMPUTE_AVERAGE", c), ("E", 5000, "p", None, c)])
+    assert spans(events) == [(1, "COMMUNICATE", 2.0, 4.0), (1, "COMPUTE_AVERAGE", 4.0, 4.5),
+                             (1, "MPI_OP", 1.0, 5.0)]
+    parents = {s.name: s.parent for s in read_spans(events)}
+    assert parents == {"MPI_OP": None, "COMMUNICATE": "MPI_OP", "COMPUTE_AVERAGE": "MPI_OP"}
+    assert [e["ts"] for e in events if e["ph"] == "i"] == [2.5]
+
+
+def test_complete_span_starts_after_an_end_inside_it_and_pushes_what_follows(tmp_path):
+    # BACKWARD's begin is the end of the previous stretch; the ENQUEUE that ended
+    # meanwhile on its row (stamped by the communication thread) cuts it, and a
+    # begin stamped a hair before BACKWARD's end is moved after it
+    t = 1
+    events, _ = write(tmp_path, [("B", 1000, "p", "ENQUEUE_X", t), ("E", 3000, "p", "ENQUEUE_X", t),
+                                 ("X", (2000, 5000), "p", "BACKWARD", t), ("B", 4900, "p", "ENQUEUE_X", t),
+                                 ("E", 6000, "p", "ENQUEUE_X", t)])
+    assert spans(events) == [(1, "BACKWARD", 3.0, 5.0), (1, "ENQUEUE_X", 1.0, 3.0), (1, "ENQUEUE_X", 5.0, 6.0)]
+
+
+@pytest.mark.parametrize("dur_ns, text", [(0, "0.000"), (7, "0.007"), (999, "0.999"), (1000, "1.000"),
+                                          (123456789, "123456.789")])
+def test_complete_span_durations_are_exact(tmp_path, dur_ns, text):
+    write(tmp_path, [("X", (1234567, 1234567 + dur_ns), "p", "A", 1)])
+    line = next(x for x in (tmp_path / "t0.json").read_text().splitlines() if '"ph":"X"' in x)
+    assert f'"ts":1234.567,"dur":{text},' in line
+    assert list(iter_events(tmp_path / "t0.json")) == read_events(tmp_path / "t0.json")
 
 
 def test_names_are_escaped_and_rows_named(tmp_path):

@@ -95,10 +95,12 @@ class _AgentWriter:
                 if ev.get("name") == "bluefog_metadata" or ev.get("name") == "bluefog_end":
                     write(_line(dict(ev, pid=pid, tid=0)))
                     self._copied += 1
-            elif (ph == "B" or ph == "E") and len(ev) == 5:     # the writer's plain begin/end lines
+            elif (ph == "B" or ph == "E") and len(ev) == 5 or ph == "X" and len(ev) == 6:
+                # the writer's plain begin/end/complete lines
                 key = (ev["pid"], ev["tid"])
                 tid = tids.get(key) or self._tid(*key)
-                write(f'{{"name":{q(ev["name"])},"ph":"{ph}","ts":{ev["ts"] + off:.3f},'
+                dur = f'"dur":{ev["dur"]:.3f},' if ph == "X" else ""
+                write(f'{{"name":{q(ev["name"])},"ph":"{ph}","ts":{ev["ts"] + off:.3f},{dur}'
                       f'"pid":{pid},"tid":{tid}}},\n')
                 self._copied += 1
             else:

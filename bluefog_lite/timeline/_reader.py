@@ -37,9 +37,10 @@ def metadata(events):
 
 def read_spans(events, complete=True):
     """Every slice ("B"/"E" pairs and "X" events) as a Span, checking what a
-    viewer needs: timestamps never decrease on a row in file order, each "E"
-    closes the innermost open "B" of its row, and slices nest (no partial
-    overlap). complete=True also requires every "B" to be closed (a clean
+    viewer needs: the timestamps of "B", "E" and instant events never decrease
+    on a row in file order (an "X" is written when it ends, after what happened
+    inside it), each "E" closes the innermost open "B" of its row, and slices
+    nest (no partial overlap). complete=True also requires every "B" to be closed (a clean
     shutdown); a killed agent's spans still open are left out.
     Raises ValueError describing the first violation."""
     last = collections.defaultdict(float)
@@ -50,6 +51,9 @@ def read_spans(events, complete=True):
         if ph not in ("B", "E", "X", "i"):
             continue
         key, ts = (ev["pid"], ev["tid"]), ev["ts"]
+        if ph == "X":
+            rows[key].append((ts, ts + ev["dur"], ev["name"]))
+            continue
         if ts < last[key]:
             raise ValueError(f"time goes backwards on row {key}: {ev}")
         last[key] = ts
@@ -62,8 +66,6 @@ def read_spans(events, complete=True):
             if ev.get("name", name) != name:
                 raise ValueError(f"E {ev['name']!r} closes B {name!r} on row {key}")
             rows[key].append((begin, ts, name))
-        elif ph == "X":
-            rows[key].append((ts, ts + ev["dur"], ev["name"]))
     if complete:
         still = {k: v for k, v in open_b.items() if v}
         if still:
@@ -83,9 +85,9 @@ def read_spans(events, complete=True):
 
 # ---- streaming (bftimeline): one event at a time, for files of hundreds of MB ----
 
-# The writer's begin/end/instant lines; anything else goes through json.loads.
-_FAST_LINE = re.compile(r'\{"name":"([^"\\]*)","ph":"([BEi])",(?:"s":"t",)?"ts":(-?[0-9.]+),'
-                        r'"pid":(-?\d+),"tid":(-?\d+)\}\Z')
+# The writer's begin/end/instant/complete lines; anything else goes through json.loads.
+_FAST_LINE = re.compile(r'\{"name":"([^"\\]*)","ph":"([BEiX])",(?:"s":"t",)?"ts":(-?[0-9.]+),'
+                        r'(?:"dur":([0-9.]+),)?"pid":(-?\d+),"tid":(-?\d+)\}\Z')
 
 
 def iter_events(path):
@@ -119,10 +121,15 @@ def _iter_lines(path):
                 raise ValueError(f"{path}: line {bad[0]} is not a JSON trace event: {bad[1][:80]!r}")
             m = _FAST_LINE.match(line)
             if m is not None:
-                name, ph, ts, pid, tid = m.groups()
+                name, ph, ts, dur, pid, tid = m.groups()
                 ev = {"name": name, "ph": ph, "ts": float(ts), "pid": int(pid), "tid": int(tid)}
                 if ph == "i":
                     ev["s"] = "t"
+                elif ph == "X":
+                    if dur is None:      # not the writer's layout: parse it in full
+                        yield json.loads(line)
+                        continue
+                    ev["dur"] = float(dur)
                 yield ev
                 continue
             if line.endswith("]"):       # "...}]": the array closed on the last event's line

@@ -11,14 +11,15 @@ import time
 
 current = None   # the active Recorder, or None
 
-_now_ns = time.perf_counter_ns
+_now_ns = now_ns = time.perf_counter_ns
 _ident = threading.get_ident
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
-#   phase 'B' begin, 'S' scoped begin, 'E' end, 'i' instant
+#   phase 'B' begin, 'S' scoped begin, 'E' end, 'i' instant, and 'X' a whole
+#   span recorded once it has ended, whose t_ns is the pair (begin, end)
 #   An 'E' with an activity closes the innermost open span of that activity on
 #   (tensor_name, thread); an 'E' without one closes the innermost span opened
-#   with 'B'. A scoped span ('S': compute hooks, timeline_context) is closed
+#   with 'B'. A scoped span ('S': timeline_context, user activities) is closed
 #   only by an 'E' naming its activity, so an anonymous end recorded by another
 #   thread (the end of an ENQUEUE_ span) cannot close it by mistake.
 
@@ -43,15 +44,26 @@ class Recorder:
     def instant(self, tensor_name, activity, tid=None):
         self.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))
 
-    def rows(self, ph, names, activity):
-        """One event per name (a name, or a sequence of names) at one instant on the
-        calling thread: a sub-phase of a fused group, FORWARD of a module's
-        parameters. Returns the instant."""
+    def instants(self, names, activity):
+        """One instant per name (a name, or a sequence of names: the members of a
+        fused group) at one time on the calling thread."""
         t, tid = _now_ns(), _ident()
         if names.__class__ is str:
-            self.events.append((ph, t, names, activity, tid))
+            self.events.append(("i", t, names, activity, tid))
         else:
-            self.events.extend([(ph, t, name, activity, tid) for name in names])
+            self.events.extend([("i", t, name, activity, tid) for name in names])
+
+    def spans(self, names, activity, begin):
+        """A span from begin to now on the calling thread, one per name (a name, or
+        a sequence of names): a sub-phase, FORWARD, BACKWARD. One event instead of a
+        begin and an end: half the recording and half the writer's lines. Returns now."""
+        t, tid = _now_ns(), _ident()
+        if names.__class__ is str:
+            self.events.append(("X", (begin, t), names, activity, tid))
+        else:
+            t = (begin, t)
+            self.events.extend([("X", t, name, activity, tid) for name in names])
+            t = t[1]
         return t
 
     def name_thread(self, name, tid=None):
