@@ -107,7 +107,8 @@ def main():
             off.append(timed_round(model, opt, batches, args.steps))
             on.append(recorded_round(model, opt, batches, args.steps, prefix))
     with open(os.path.join(folder, f"round0_{bf.rank()}.json")) as f:
-        events = sum(1 for line in f if '"ph":"B"' in line) * 2 / args.steps
+        # lines of spans and instants (a begin/end pair is two, a complete "X" span one)
+        events = sum(1 for line in f if '"ph":"M"' not in line and '"ph":"' in line) / args.steps
     if args.dir is None:        # each agent made its own folder (~10 MB of files at the defaults)
         shutil.rmtree(folder, ignore_errors=True)
 
