@@ -257,6 +257,7 @@ class StreamEndpoint:
         self.urgent = set()       # ... among them, a large tensor's descriptor (rung even when idle)
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
         self._headers = {}        # (key, meta) -> packet header of one small tensor (small_packet)
+        self._unpickled = {}      # pickled header -> its entries (_entries_of)
 
     # ---- sending -------------------------------------------------------
     def queue_tensor(self, dst, key, out, data_requests):
@@ -344,9 +345,24 @@ class StreamEndpoint:
             msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
         return True
 
+    def _entries_of(self, header):
+        """The entries of a packet's pickled header. A loop sends the same headers
+        again and again (same names, shapes and offsets), so they are unpickled once:
+        a dict lookup costs a fraction of ``pickle.loads``. Only headers whose
+        entries are all inline tensors are kept: a large tensor's carries the tag
+        of its message, new each time, and an object is handed to the caller."""
+        entries = self._unpickled.get(header)
+        if entries is None:
+            entries = pickle.loads(header)
+            if all(loc is not None and loc[0] == "i" for _, _, _, loc in entries):
+                if len(self._unpickled) >= 1024:      # generated names: do not grow without bound
+                    self._unpickled.clear()
+                self._unpickled[header] = entries
+        return entries
+
     def _unpack(self, src, packet):
         (hlen,) = _HEAD.unpack_from(packet, 0)
-        entries = pickle.loads(packet[_HEAD.size:_HEAD.size + hlen].tobytes())
+        entries = self._entries_of(packet[_HEAD.size:_HEAD.size + hlen].tobytes())
         start = _aligned(_HEAD.size + hlen)
         for key, kind, meta, loc in entries:
             if kind == _KIND_GROUP:
