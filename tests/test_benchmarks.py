@@ -133,3 +133,46 @@ def test_idle_benchmark_reports_both_settings(tmp_path):
     assert result["bench"] == "idle" and result["agents"] == 2
     rates = {row["key"]["setting"]: row["values"]["median"] for row in result["rows"]}
     assert set(rates) == {"idle_poke_50ms", "poke_2ms"} and all(r > 0 for r in rates.values()), rates
+
+
+def _ab(tmp_path, *args, timeout=240):
+    cmd = [sys.executable, os.path.join(BENCH, "ab.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=tmp_path)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"ab.py did not finish:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _worktrees():
+    return subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+
+
+def test_ab_alternates_the_base_and_this_tree_and_removes_its_worktree(tmp_path):
+    before = _worktrees()
+    code, out = _ab(tmp_path, "--base", "HEAD", "--pairs", "2", "--agents", "2", "--values", "x_raw",
+                    "--json", tmp_path / "ab.json",
+                    "bench_floor.py", "--size", "4K", "--trials", "1", "--reps", "20", "--methods", "raw,bf")
+    assert code == 0, out[-4000:]
+    # A first in the first pair, B first in the second: drift of the host hits both sides alike
+    order = [line.split()[-2] for line in out.splitlines() if line.strip().startswith("pair ")]
+    assert order == ["A", "B", "B", "A"], out
+    result = json.loads((tmp_path / "ab.json").read_text())
+    figures = {f["row"]: f for f in result["figures"]}
+    assert set(figures) == {"method=raw", "method=bf"} and all(f["value"] == "x_raw" for f in figures.values())
+    assert figures["method=raw"]["A"] == figures["method=raw"]["B"] == [1.0, 1.0]
+    assert len(figures["method=bf"]["A"]) == len(figures["method=bf"]["B"]) == 2
+    assert all(v > 1 for v in figures["method=bf"]["A"] + figures["method=bf"]["B"])
+    assert "B lower in" in out
+    assert _worktrees() == before
+
+
+def test_ab_names_a_revision_that_does_not_exist(tmp_path):
+    before = _worktrees()
+    code, out = _ab(tmp_path, "--base", "no-such-revision", "bench_floor.py", timeout=60)
+    assert code != 0 and "--base 'no-such-revision' is not a commit" in out
+    assert _worktrees() == before

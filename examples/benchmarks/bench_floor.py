@@ -123,7 +123,8 @@ def main():
             print(f"bf: {by_callers} of {calls} calls run by their caller, not the communication "
                   f"thread (BLUEFOG_CALLER_PROGRESS); quick path: {quick} finished on it, {continued} "
                   "continued in the loop")
-    rows = [{"key": {"method": name}, "values": {"median_s": v[0], "min_s": v[1], "max_s": v[2]}}
+    rows = [{"key": {"method": name}, "values": dict({"median_s": v[0], "min_s": v[1], "max_s": v[2]},
+                                                   **({"x_raw": v[0] / res["raw"][0]} if "raw" in res else {}))}
             for name, v in res.items()]
     _bench.write_json(args.json if comm.rank == 0 else None, "floor", comm.size,
                       {"bytes": nbytes, "trials": args.trials, "reps": args.reps}, rows)
