@@ -8,8 +8,8 @@ its communication, so that a layer's compute and communication share a row):
   pre-hook to forward hook). The end hook runs before the module's other
   forward hooks, even ones registered earlier (an optimizer wrapper's launch of
   the parameter's communication), so the ENQUEUE span those start follows
-  FORWARD on the row instead of overlapping it (which the writer would have to
-  split into two slices);
+  FORWARD on the row instead of overlapping it (the writer would start FORWARD,
+  recorded once it ends, at that ENQUEUE's begin);
 - BACKWARD: the stretch of back-propagation that ends with the parameter's
   gradient (a hook on the parameter). It begins where the previous stretch of
   the same backward pass ended -- when the previous module's gradients were
@@ -17,6 +17,7 @@ its communication, so that a layer's compute and communication share a row):
   output -- so the BACKWARD spans of one pass tile it without gaps, each
   module's parameters sharing one begin.
 
+Both are recorded once they end, as one complete event per parameter.
 The begin of BACKWARD is known only once the parameter's gradient is, so the
 span is recorded then, with a timestamp in the past. Finding it this way costs
 one autograd-node hook per forward pass (on the model's output) instead of one
@@ -91,7 +92,7 @@ def timeline_install_hooks(model, prefix=""):
             owner.setdefault(id(p), index)
         fwd = tuple(names[id(p)] for p in own)
         begins = []            # begin times of this module's forward calls in progress
-        handles.append(module.register_forward_pre_hook(_forward_begin(fwd, state, begins)))
+        handles.append(module.register_forward_pre_hook(_forward_begin(state, begins)))
         handles.append(module.register_forward_hook(_forward_end(fwd, state, begins), always_call=True,
                                                      prepend=True))
     handles.append(model.register_forward_hook(_pass_forward_end(state)))
@@ -101,7 +102,7 @@ def timeline_install_hooks(model, prefix=""):
     return TimelineHooks(handles)
 
 
-def _forward_begin(names, state, begins):
+def _forward_begin(state, begins):
     def hook(module, args):
         rec = _recorder.current
         if rec is None:

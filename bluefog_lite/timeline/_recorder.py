@@ -57,14 +57,13 @@ class Recorder:
         """A span from begin to now on the calling thread, one per name (a name, or
         a sequence of names): a sub-phase, FORWARD, BACKWARD. One event instead of a
         begin and an end: half the recording and half the writer's lines. Returns now."""
-        t, tid = _now_ns(), _ident()
+        end, tid = _now_ns(), _ident()
+        span = (begin, end)
         if names.__class__ is str:
-            self.events.append(("X", (begin, t), names, activity, tid))
+            self.events.append(("X", span, names, activity, tid))
         else:
-            t = (begin, t)
-            self.events.extend([("X", t, name, activity, tid) for name in names])
-            t = t[1]
-        return t
+            self.events.extend([("X", span, name, activity, tid) for name in names])
+        return end
 
     def name_thread(self, name, tid=None):
         self.thread_names[tid or _ident()] = name
