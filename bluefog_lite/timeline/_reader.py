@@ -120,15 +120,12 @@ def _iter_lines(path):
             if bad is not None:
                 raise ValueError(f"{path}: line {bad[0]} is not a JSON trace event: {bad[1][:80]!r}")
             m = _FAST_LINE.match(line)
-            if m is not None:
+            if m is not None and (m[2] != "X" or m[4] is not None):   # (an "X" without its dur: below)
                 name, ph, ts, dur, pid, tid = m.groups()
                 ev = {"name": name, "ph": ph, "ts": float(ts), "pid": int(pid), "tid": int(tid)}
                 if ph == "i":
                     ev["s"] = "t"
                 elif ph == "X":
-                    if dur is None:      # not the writer's layout: parse it in full
-                        yield json.loads(line)
-                        continue
                     ev["dur"] = float(dur)
                 yield ev
                 continue
