@@ -26,17 +26,24 @@ def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
     full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True, text=True)
+    code, out = run_bounded(cmd, timeout, f"{script} on {nprocs} agents", env=full_env)
+    if expect_ok:
+        assert code == 0, f"{script} on {nprocs} agents failed ({code}):\n{out[-6000:]}"
+        oks = len(set(re.findall(r"AGENT OK (\d+)", out)))
+        assert oks == nprocs, f"only {oks}/{nprocs} agents reported success:\n{out[-6000:]}"
+    return code, out
+
+
+def run_bounded(cmd, timeout, what, **popen_args):
+    """Run cmd in its own session; (returncode, combined output). If it does not
+    finish within timeout, its whole process group is killed and the test fails
+    with a message naming ``what``, never a hung suite."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            text=True, **popen_args)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{script} on {nprocs} agents did not finish in {timeout} s "
-                             f"(deadlock?); output so far:\n{out[-4000:]}")
-    if expect_ok:
-        assert proc.returncode == 0, f"{script} on {nprocs} agents failed ({proc.returncode}):\n{out[-6000:]}"
-        oks = len(set(re.findall(r"AGENT OK (\d+)", out)))
-        assert oks == nprocs, f"only {oks}/{nprocs} agents reported success:\n{out[-6000:]}"
+        raise AssertionError(f"{what} did not finish in {timeout} s (deadlock?); output so far:\n{out[-4000:]}")
     return proc.returncode, out

@@ -1,11 +1,10 @@
 """Smoke tests of the benchmark pipeline: run_all.py's JSON, tables and figure (no performance targets)."""
 import json
 import os
-import signal
 import subprocess
 import sys
 
-from mpi_helpers import REPO, run_agents
+from mpi_helpers import REPO, run_agents, run_bounded
 
 BENCH = os.path.join(REPO, "examples", "benchmarks")
 sys.path.insert(0, BENCH)
@@ -18,15 +17,8 @@ def _run_all(docs, work, *extra):
     cmd = [sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--agents", "2",
            "--only", "neighbor_allreduce,memory", "--docs", str(docs), "--work", str(work), "--timeout", "150",
            *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"run_all.py --quick did not finish:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    code, out = run_bounded(cmd, 240, "run_all.py --quick")
+    assert code == 0, out[-4000:]
     return out
 
 
@@ -136,16 +128,8 @@ def test_idle_benchmark_reports_both_settings(tmp_path):
 
 
 def _ab(tmp_path, *args, timeout=240):
-    cmd = [sys.executable, os.path.join(BENCH, "ab.py"), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=tmp_path)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"ab.py did not finish:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_bounded([sys.executable, os.path.join(BENCH, "ab.py"), *map(str, args)], timeout, "ab.py",
+                       cwd=tmp_path)
 
 
 def _worktrees():

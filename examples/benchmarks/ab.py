@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,30 +48,24 @@ def add_worktree(rev, folder):
     return commit.stdout.strip()
 
 
-def library_of(tree, env):
-    """The folder bluefog_lite is imported from with PYTHONPATH=tree (checked: an
-    installed copy must not shadow the tree under test)."""
+def library_of(tree):
+    """The folder bluefog_lite is imported from with tree first on the path, as
+    launches have it (checked: an installed copy must not shadow the tree under test)."""
+    env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
     probe = subprocess.run([sys.executable, "-c", "import bluefog_lite, os; print(os.path.dirname("
                             "os.path.realpath(bluefog_lite.__file__)))"],
-                           env=dict(env, PYTHONPATH=tree), cwd=HERE, capture_output=True, text=True)
+                           env=env, cwd=HERE, capture_output=True, text=True)
     return probe.stdout.strip()
 
 
-def launch(tree, script, agents, args, json_path, timeout, env):
-    """One mpiexec launch of script with the library of tree; returns its results (rows)."""
-    cmd = [run_all.mpiexec(), "-n", str(agents), sys.executable, os.path.join(HERE, script), *args,
-           "--json", json_path]
-    proc = subprocess.Popen(cmd, cwd=HERE, env=dict(env, PYTHONPATH=tree), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise SystemExit(f"ab.py: {script} did not finish within {timeout} s:\n{out[-3000:]}")
-    if proc.returncode != 0 or not os.path.exists(json_path):
-        raise SystemExit(f"ab.py: {script} failed (exit code {proc.returncode}):\n{out[-3000:]}")
-    with open(json_path) as f:
+def launch(tree, script, agents, args, stem, timeout):
+    """One launch of script with the library of tree (run_all's launch); returns its results (rows)."""
+    if not run_all.launch(script, agents, args, stem + ".json", stem + ".log", timeout, os.path.dirname(stem),
+                          library=tree):
+        with open(stem + ".log") as log:
+            raise SystemExit(f"ab.py: {script} failed or did not finish within {timeout} s; "
+                             f"the end of its output:\n{log.read()[-3000:]}")
+    with open(stem + ".json") as f:
         return json.load(f)["rows"]
 
 
@@ -127,14 +120,13 @@ def main(argv=None):
         ap.error(f"no benchmark script {script!r} in {HERE}")
     if run_all.mpiexec() is None:
         raise SystemExit("ab.py: no mpiexec found (pip install mpich)")
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     work = tempfile.mkdtemp(prefix="bluefog_ab_")
     base_tree = os.path.join(work, "base")
     try:
         commit = add_worktree(args.base, base_tree)
         trees = {"A": base_tree, "B": REPO}
         for side, tree in trees.items():
-            found = library_of(tree, env)
+            found = library_of(tree)
             if os.path.realpath(found) != os.path.realpath(os.path.join(tree, "bluefog_lite")):
                 raise SystemExit(f"ab.py: side {side} imports bluefog_lite from {found or '(nowhere)'}, "
                                  f"not from {tree}: an installed copy shadows it")
@@ -143,8 +135,8 @@ def main(argv=None):
         runs = []
         for pair in range(args.pairs):
             for side in ("AB" if pair % 2 == 0 else "BA"):
-                path = os.path.join(work, f"{side}{pair}.json")
-                runs.append((side, launch(trees[side], script, args.agents, args.args, path, args.timeout, env)))
+                stem = os.path.join(work, f"{side}{pair}")
+                runs.append((side, launch(trees[side], script, args.agents, args.args, stem, args.timeout)))
                 print(f"  pair {pair + 1} {side} done", flush=True)
     finally:
         if os.path.isdir(base_tree):

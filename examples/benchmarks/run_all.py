@@ -64,10 +64,11 @@ def plan(quick, agent_counts, main_agents):
     return jobs
 
 
-def launch(script, agents, args, json_path, log_path, timeout, work):
-    """Run one benchmark launch; True when it exited 0 and wrote its JSON."""
+def launch(script, agents, args, json_path, log_path, timeout, work, library=REPO):
+    """Run one benchmark launch, with the bluefog_lite of the tree ``library``
+    first on the path; True when it exited 0 and wrote its JSON."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = library + os.pathsep + env.get("PYTHONPATH", "")
     extra = ["--dir", os.path.join(work, "timeline")] if script == "bench_timeline.py" else []
     cmd = [mpiexec(), "-n", str(agents), sys.executable, os.path.join(HERE, script), *args, *extra,
            "--json", json_path]
