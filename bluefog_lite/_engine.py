@@ -168,6 +168,7 @@ class Engine:
         self.op_timeout_s = _env_float("BLUEFOG_OP_TIMEOUT_S", 0.0)
         self.mark_cycles = os.environ.get("BLUEFOG_TIMELINE_MARK_CYCLES", "") not in ("", "0")
         self.yield_window_s = _env_float("BLUEFOG_YIELD_WINDOW_S", 3e-4)
+        self.transfer_window_s = _env_float("BLUEFOG_TRANSFER_WINDOW_S", 3e-3)
         self.wait_sleep_max_s = _env_float("BLUEFOG_WAIT_SLEEP_MAX_S", 1e-3)
         self.progress_poke_s = 0.002   # idle MPI poke; windows.py lowers it while windows exist
         self.idle_poke_s = 0.05        # the same with nothing in flight and every peer on this host
@@ -427,20 +428,42 @@ class Engine:
             entries = self._take_all(keys)
         return entries
 
-    def held_interrupted(self):
-        """Under hold_if_idle: True once the loop is needed for something else (an
-        operation another thread queued, a large tensor announced or arriving)."""
+    def held_receive(self, keys):
+        """held_take for a call whose inputs may be large tensors: receive what has come
+        in, post the receives of its own large inputs at once (the next of their keys
+        from their senders), ring back the senders of those that are in, then take
+        the entries for every key, or None while any is missing."""
         s = self.stream
+        if s.receive(self._caller_status) and s.unposted:
+            wanted, left = set(keys), []
+            for large in s.unposted:
+                if wanted.issuperset(large.keys) and self._next_of_its_keys(large):
+                    s.post(large)
+                else:
+                    left.append(large)
+            s.unposted = left
+        if s.pending_recvs and s.test_recvs():
+            self.ring_peers()
+        return self._take_all(keys)
+
+    def held_interrupted(self, large=False):
+        """Under hold_if_idle: True once the loop is needed for something else (an
+        operation another thread queued, a large tensor announced or arriving; with
+        ``large``, one that held_receive does not take for the call)."""
+        s = self.stream
+        if large:
+            return bool(self._queue or s.unposted)
         return bool(self._queue or s.unposted or s.pending_recvs)
 
-    def continue_held(self, name, kind, task):
+    def continue_held(self, name, kind, task, data_requests=()):
         """Under hold_if_idle: make the call an operation (task as for submit; name is
-        already in use), run the loop until it is done, let go. Returns its handle
-        for synchronize."""
+        already in use; data_requests: its large sends in flight), run the loop until
+        it is done, let go. Returns its handle for synchronize."""
         try:
             with self._lock:
                 op = Op(next(self._handles), name, kind, None)
                 op.task = task(self, op)
+                op.data_requests = list(data_requests)
                 self._ops[op.handle] = op
             self._active.add(op)
             self._step(op, None)
@@ -608,11 +631,7 @@ class Engine:
         s = self.stream
         sent = s.flush_all()
         if s.to_ring:
-            ring, urgent = self.doorbell.ring, s.urgent
-            for r in s.to_ring:
-                ring(r, r in urgent)
-            s.to_ring.clear()
-            urgent.clear()
+            self.ring_peers()
         if self._completing:
             done, self._completing = self._completing, []
             recording = tl.current is not None
@@ -623,6 +642,15 @@ class Engine:
                     tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
                 op.set_done()
         return sent
+
+    def ring_peers(self):
+        """Ring the peers that were sent something (or whose data came in) since the last ring."""
+        s = self.stream
+        ring, urgent = self.doorbell.ring, s.urgent
+        for r in s.to_ring:
+            ring(r, r in urgent)
+        s.to_ring.clear()
+        urgent.clear()
 
     def _progress(self, status):
         s = self.stream

@@ -53,3 +53,8 @@ def test_blocking_calls_run_by_their_caller_match_numpy_and_mix_with_nonblocking
 @pytest.mark.parametrize("n", [4, 8])
 def test_quick_blocking_calls_match_numpy_late_neighbors_threads_and_errors(n):
     run_agents(n, "ops_quick.py", timeout=150)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_quick_blocking_calls_of_large_tensors_match_numpy_late_neighbors_threads_and_errors(n):
+    run_agents(n, "ops_quick.py", "large", timeout=150, env={"BLUEFOG_INLINE_LIMIT": "256"})

@@ -1,6 +1,11 @@
-"""The quick path of small blocking neighbor_allreduce calls (_quick.py): the
-caller sends, receives and averages without the loop's machinery, and a call
-whose inputs are late becomes an ordinary operation.
+"""The quick path of blocking neighbor_allreduce calls (_quick.py): the caller
+sends, receives and averages without the loop's machinery, and a call whose
+inputs are late becomes an ordinary operation.
+
+Argument "large" (the test sets BLUEFOG_INLINE_LIMIT=256): the tensors of 1-5 are
+made larger than that, so they travel as large tensors (a descriptor, then the
+data on a private tag) on the large quick path; 4's background operations stay
+small, so small and large ones interleave.
 
 1. A loop of blocking float32 4 KB calls (x <- W x, static Exp-2) matches numpy's
    W^k x0, and most calls finished on the quick path (stream stats).
@@ -16,6 +21,7 @@ whose inputs are late becomes an ordinary operation.
 6. A lazily negated view (the neg bit of conj().imag) sends its values, not its
    stored bytes, on either path.
 """
+import sys
 import threading
 import time
 
@@ -33,6 +39,10 @@ G = topology.ExponentialTwoGraph(n)
 mix = uniform_mixing(G)     # new x = mix @ x
 stats = state().engine.stream.stats
 rng = np.random.default_rng(11)
+LARGE = sys.argv[1:] == ["large"]
+m = 10 if LARGE else 1      # widens the tensors of 2 and 5 past the inline limit
+if LARGE:
+    assert state().engine.stream.inline_limit == 256, "run with BLUEFOG_INLINE_LIMIT=256"
 
 # 1. static loop
 x0 = rng.standard_normal((n, 1024)).astype(np.float32)
@@ -55,7 +65,7 @@ assert quick >= steps // 2, f"rank {r}: only {quick} of {steps} calls took the q
 
 # 2. dynamic one-peer schedule with scaled sends
 schedules = [topology.GetDynamicOnePeerSendRecvRanks(G, i) for i in range(n)]
-x0 = rng.standard_normal((n, 7, 3)).astype(np.float32)
+x0 = rng.standard_normal((n, 7, 3 * m)).astype(np.float32)
 x = torch.from_numpy(x0[r].copy())
 ref = x0.astype(np.float64)
 taken0 = taken()
@@ -94,11 +104,12 @@ def background():
 
 t = threading.Thread(target=background)
 t.start()
-fg = torch.from_numpy(x0[r, 0].copy())
+fg0 = rng.standard_normal((n, 100)).astype(np.float32)
+fg = torch.from_numpy(fg0[r].copy())
 for _ in range(30):
     fg = bf.neighbor_allreduce(fg, name="fg")
 t.join()
-want = np.linalg.matrix_power(mix, 30) @ x0[:, 0].astype(np.float64)
+want = np.linalg.matrix_power(mix, 30) @ fg0.astype(np.float64)
 assert np.allclose(fg.numpy(), want[r], rtol=1e-4, atol=1e-5), f"rank {r}: foreground loop is wrong"
 for i in range(20):
     assert np.allclose(bg_out[i].numpy(), (mix @ bg_in[i].astype(np.float64))[r], rtol=1e-5, atol=1e-5), \
@@ -106,18 +117,18 @@ for i in range(20):
 
 # 5. another shape from a neighbor, then the same name again
 try:
-    bf.neighbor_allreduce(torch.ones(4 if r == 0 else 5), name="shape")
+    bf.neighbor_allreduce(torch.ones(4 * m if r == 0 else 5 * m), name="shape")
     error = None
 except ValueError as e:
     error = str(e)
 if r == 0:
-    assert error and "sent float32[5] but this agent has float32[4]" in error, error
+    assert error and f"sent float32[{5 * m}] but this agent has float32[{4 * m}]" in error, error
 elif 0 in bf.in_neighbor_ranks():
-    assert error and "rank 0 sent float32[4]" in error and "same shape" in error, error
+    assert error and f"rank 0 sent float32[{4 * m}]" in error and "same shape" in error, error
 else:
     assert error is None, error
 bf.barrier()
-again = bf.neighbor_allreduce(torch.full((5,), float(r)), name="shape")
+again = bf.neighbor_allreduce(torch.full((5 * m,), float(r)), name="shape")
 assert np.allclose(again.numpy(), (mix @ np.arange(n, dtype=np.float64))[r]), f"rank {r}: name not reusable"
 
 # 6. a lazily negated view whose values are not its bytes: conj().imag of a one-element
@@ -132,5 +143,7 @@ got = bf.synchronize(bf.neighbor_allreduce_nonblocking(z.conj().imag, name="neg"
 assert np.allclose(got.numpy(), [want], rtol=1e-5, atol=1e-6), f"rank {r}: negated view, nonblocking"
 
 bf.barrier()
+if LARGE:
+    assert stats["data_messages"] > steps, f"rank {r}: the tensors did not travel as large ones"
 print(f"AGENT OK {r} (quick {stats['quick']}, continued {stats['quick_continued']})", flush=True)
 bf.shutdown()
