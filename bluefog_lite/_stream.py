@@ -51,6 +51,15 @@ def _header(entries):
 
 _EMPTY = np.empty(0, np.uint8)
 _PADDING = [bytes(n) for n in range(_ALIGN)]
+_TAG = struct.Struct("<Q")     # a large entry's private tag, in the packet's body
+
+
+def _tag_piece(tag):
+    """The body piece of a large entry: its tag, padded to _ALIGN."""
+    return _TAG.pack(tag) + _PADDING[_ALIGN - _TAG.size]
+
+
+_TAG_PIECES = [_tag_piece(t) for t in range(_FIRST_DATA_TAG + 256)]
 
 
 def plain(t):
@@ -257,6 +266,7 @@ class StreamEndpoint:
         self.urgent = set()       # ... among them, a large tensor's descriptor (rung even when idle)
         self.stats = collections.Counter()   # packets, entries, data_messages (for tests/benchmarks)
         self._headers = {}        # (key, meta) -> packet header of one small tensor (small_packet)
+        self._packed_headers = {}  # entries -> their packet header (_packed)
         self._unpickled = {}      # pickled header -> its entries (_entries_of)
 
     # ---- sending -------------------------------------------------------
@@ -282,7 +292,10 @@ class StreamEndpoint:
             return
         tag = _FIRST_DATA_TAG + self._next_tag[dst] % _DATA_TAGS
         self._next_tag[dst] += 1
-        box.entries.append((key, out.kind, out.meta, ("t", tag, nbytes)))
+        # the tag goes in the body, so that the header repeats from call to call (_packed)
+        box.entries.append((key, out.kind, out.meta, ("t", box.inline_bytes, nbytes)))
+        box.pieces.append(_TAG_PIECES[tag] if tag < len(_TAG_PIECES) else _tag_piece(tag))
+        box.inline_bytes += _ALIGN
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
         self.urgent.add(dst)
@@ -301,10 +314,24 @@ class StreamEndpoint:
         if box is None or not box.entries:
             return None
         # one join copies the header and every inline payload (padded) into the packet
-        packet = b"".join([*_header(box.entries), *box.pieces])
+        packet = b"".join([self._packed(box.entries), *box.pieces])
         req = self.send_packet(dst, packet, len(box.entries))
         self.to_ring.add(dst)
         return req
+
+    def _packed(self, entries):
+        """The packet header of these entries (_header, joined). A loop sends the same
+        entries again and again, so the headers of tensors (not of objects or fused
+        groups, whose meta is not hashable or seldom repeats) are made once."""
+        if any(e[1] != _KIND_TENSOR for e in entries):
+            return b"".join(_header(entries))
+        key = tuple(entries)
+        head = self._packed_headers.get(key)
+        if head is None:
+            if len(self._packed_headers) >= 1024:      # generated names: do not grow without bound
+                self._packed_headers.clear()
+            head = self._packed_headers[key] = b"".join(_header(entries))
+        return head
 
     def send_packet(self, dst, packet, entries=1):
         req = self.comm.Isend([packet, _BYTE], dst, STREAM_TAG)
@@ -348,13 +375,12 @@ class StreamEndpoint:
     def _entries_of(self, header):
         """The entries of a packet's pickled header. A loop sends the same headers
         again and again (same names, shapes and offsets), so they are unpickled once:
-        a dict lookup costs a fraction of ``pickle.loads``. Only headers whose
-        entries are all inline tensors are kept: a large tensor's carries the tag
-        of its message, new each time, and an object is handed to the caller."""
+        a dict lookup costs a fraction of ``pickle.loads``. Headers with an object
+        are not kept: the object is handed to the caller."""
         entries = self._unpickled.get(header)
         if entries is None:
             entries = pickle.loads(header)
-            if all(loc is not None and loc[0] == "i" for _, _, _, loc in entries):
+            if all(loc is not None for _, _, _, loc in entries):
                 if len(self._unpickled) >= 1024:      # generated names: do not grow without bound
                     self._unpickled.clear()
                 self._unpickled[header] = entries
@@ -382,7 +408,8 @@ class StreamEndpoint:
                 entry.ready = True
                 self.arrived.append((src, key))
             else:
-                self.unposted.append(LargeReceive(entry, loc[1], loc[2], [(src, key)]))
+                tag = _TAG.unpack_from(packet, start + loc[1])[0]
+                self.unposted.append(LargeReceive(entry, tag, loc[2], [(src, key)]))
             self.inbox[(src, key)].append(entry)
 
     def _unpack_group(self, src, meta, loc, packet, start):
@@ -393,7 +420,8 @@ class StreamEndpoint:
             slab.flat, slab.ready = _as_tensor(raw, (dtype, (slab.offsets[-1],))), True
             self.arrived.extend(slab.keys())
         else:
-            self.unposted.append(LargeReceive(slab, loc[1], loc[2], slab.keys()))
+            tag = _TAG.unpack_from(packet, start + loc[1])[0]
+            self.unposted.append(LargeReceive(slab, tag, loc[2], slab.keys()))
         inbox = self.inbox
         for key, member in zip(slab.keys(), map(Member, itertools.repeat(slab), range(len(slab.names)))):
             q = inbox.get(key)

@@ -3,11 +3,29 @@ of the packets a sender builds."""
 import numpy as np
 
 from bluefog_lite._pool import BufferPool
-from bluefog_lite._stream import _KIND_OBJECT, _KIND_TENSOR, StreamEndpoint, _header
+import torch
+
+from bluefog_lite._stream import _KIND_OBJECT, _KIND_TENSOR, Outgoing, StreamEndpoint, _header
 
 
-def endpoint():
-    return StreamEndpoint(None, 8 << 20, 64 << 10, BufferPool(0))
+class _Request:
+    def Test(self):
+        return True
+
+
+class RecordingComm:
+    """Stands in for the communicator of a sender: keeps what it is asked to send."""
+
+    def __init__(self):
+        self.sent = []      # (bytes, dst, tag)
+
+    def Isend(self, buf, dst, tag):
+        self.sent.append((bytes(buf[0])[:buf[1]] if len(buf) == 3 else bytes(buf[0]), dst, tag))
+        return _Request()
+
+
+def endpoint(comm=None):
+    return StreamEndpoint(comm, 8 << 20, 64 << 10, BufferPool(0))
 
 
 def received(data):
@@ -32,13 +50,32 @@ def test_repeated_headers_are_unpickled_once_and_each_packet_keeps_its_own_data(
     assert len(s._unpickled) == 1        # one header, four packets
 
 
-def test_headers_with_objects_or_large_tensors_are_unpickled_every_time():
+def test_headers_with_objects_are_unpickled_every_time():
     s = endpoint()
     for _ in range(2):
         s._unpack(3, header_only([("neg", _KIND_OBJECT, {"calls": ["a"]}, None)]))
     first, second = s.inbox[(3, "neg")]
     first.value["calls"].append("changed by its receiver")
     assert second.value == {"calls": ["a"]}      # not the same object
-    s._unpack(3, header_only([("big", _KIND_TENSOR, ("float32", (1 << 18,)), ("t", 7, 1 << 20))]))
-    assert len(s.unposted) == 1 and s.unposted[0].tag == 7
     assert s._unpickled == {}
+
+
+def test_large_tensor_descriptors_repeat_their_header_and_carry_each_tag_in_the_body():
+    comm = RecordingComm()
+    sender, receiver = endpoint(comm), endpoint()
+    big = [torch.arange(1 << 15, dtype=torch.float32) + k for k in range(3)]   # 128 KB each
+    small = torch.ones(4)
+    for k, x in enumerate(big):
+        sender.queue_tensor(5, "s", Outgoing(small * k), [])     # inline, flushed with the descriptor
+        sender.queue_tensor(5, "big", Outgoing(x), [])
+    packets = [(b, tag) for b, dst, tag in comm.sent if tag == 1]
+    data = [(b, tag) for b, dst, tag in comm.sent if tag != 1]
+    assert len(packets) == 3 and [tag for _, tag in data] == [2, 3, 4]
+    assert all(b == x.numpy().tobytes() for (b, _), x in zip(data, big))
+    assert len(sender._packed_headers) == 1          # made once for the three packets
+    for b, _ in packets:
+        receiver._unpack(5, received(b))
+    assert [large.tag for large in receiver.unposted] == [2, 3, 4]
+    assert [large.nbytes for large in receiver.unposted] == [1 << 17] * 3
+    assert len(receiver._unpickled) == 1             # unpickled once
+    assert [float(e.array[0]) for e in receiver.inbox[(5, "s")]] == [0.0, 1.0, 2.0]
