@@ -59,8 +59,6 @@ def _tag_piece(tag):
     return _TAG.pack(tag) + _PADDING[_ALIGN - _TAG.size]
 
 
-_TAG_PIECES = [_tag_piece(t) for t in range(_FIRST_DATA_TAG + 256)]
-
 
 def plain(t):
     """t, detached, with its values in its own contiguous memory: a lazily negated or
@@ -294,7 +292,7 @@ class StreamEndpoint:
         self._next_tag[dst] += 1
         # the tag goes in the body, so that the header repeats from call to call (_packed)
         box.entries.append((key, out.kind, out.meta, ("t", box.inline_bytes, nbytes)))
-        box.pieces.append(_TAG_PIECES[tag] if tag < len(_TAG_PIECES) else _tag_piece(tag))
+        box.pieces.append(_tag_piece(tag))
         box.inline_bytes += _ALIGN
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
