@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from . import _tasks
-from ._stream import dtype_name
 from ._mpi import MPI
+from ._stream import dtype_name
 from .timeline import _recorder as tl
 
 _yield = os.sched_yield
