@@ -128,7 +128,7 @@ class Op:
         self.fuse = fuse       # a Fusable: this op may run in one task with others like it
         self.riders = ()       # the other ops of the fused group this op's task runs
         self.wait = None
-        self.waiting_since = 0.0
+        self.waiting_since = _monotonic()    # (a task that never waits still waits for its sends)
         self.warned = False
         self.data_requests = []
         self.result = self.error = None
@@ -787,6 +787,7 @@ class Engine:
             except StopIteration as stop:
                 op.result = stop.value
                 op.finished_task = True
+                op.waiting_since = _monotonic()    # now for its sends, if any are left
                 if not self._advance(op):
                     self._polled.add(op)    # its large sends are still in flight
                 return
@@ -865,9 +866,11 @@ class Engine:
             waited = now - op.waiting_since
             if not op.warned and waited > self.stall_warning_s:
                 op.warned = True
+                what = ("for the completion of its own sends (a receiver has not taken them)"
+                        if op.finished_task else f"for ranks {self._missing(op)} that have not joined it")
                 sys.stderr.write(
                     f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
-                    f"waited {waited:.1f} s for ranks {self._missing(op)} that have not joined it\n")
+                    f"waited {waited:.1f} s {what}\n")
                 sys.stderr.flush()
             if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.finished_task:
                 op.error = OpTimeout(

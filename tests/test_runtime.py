@@ -15,6 +15,14 @@ def test_stall_warning_names_op_and_missing_rank():
     assert sorted(warned) == ["0", "2", "3"], out
 
 
+def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its_start():
+    _, out = run_agents(4, "runtime_stall.py", "sends", timeout=90, env={"BLUEFOG_STALL_WARNING_S": "1"})
+    warned = re.findall(r"rank 0\): NEIGHBOR_ALLREDUCE '(oneway\.\w+)' has waited ([\d.]+) s for "
+                        r"the completion of its own sends \(a receiver has not taken them\)", out)
+    assert sorted(name for name, _ in warned) == ["oneway.loop", "oneway.quick"], out
+    assert all(1.0 < float(s) < 3.0 for _, s in warned), out
+
+
 def test_fatal_timeout_raises_on_waiting_agents():
     run_agents(4, "runtime_stall.py", "fatal", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
 

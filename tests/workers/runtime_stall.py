@@ -1,5 +1,11 @@
 """Rank 1 joins a neighbor_allreduce late: the others warn (naming the op and rank 1);
-with BLUEFOG_OP_TIMEOUT_S the stall becomes an exception on every waiting agent."""
+with BLUEFOG_OP_TIMEOUT_S the stall becomes an exception on every waiting agent.
+
+Mode "sends": rank 0 sends 1 MB to rank 1 and receives nothing, and rank 1 takes it
+2.5 s late, twice: a blocking call (the quick path, which goes on in the loop for
+its sends) and a nonblocking one (the loop; its task ends without ever waiting).
+Rank 0's operations wait only for their own sends; the warning must say how long
+that was, not the time since the clock's origin."""
 import sys
 import time
 
@@ -10,7 +16,26 @@ import topology as topo
 
 bf.init(topology_fn=topo.FullyConnectedGraph)
 rank, mode = bf.rank(), sys.argv[1]
-if mode == "warn":
+if mode == "sends":
+    # two sizes: rank 1 has no pooled buffer of either, so it cannot take the data in early
+    xs = {"oneway.quick": torch.arange(1 << 18, dtype=torch.float32) + rank,
+          "oneway.loop": torch.arange(3 << 17, dtype=torch.float32) + rank}
+    one_way = dict(enable_topo_check=False)
+    if rank == 0:
+        got = [bf.neighbor_allreduce(xs["oneway.quick"], self_weight=1.0, src_weights={}, dst_weights={1: 1.0},
+                                     name="oneway.quick", **one_way)]
+        got.append(bf.synchronize(bf.neighbor_allreduce_nonblocking(
+            xs["oneway.loop"], self_weight=1.0, src_weights={}, dst_weights={1: 1.0}, name="oneway.loop",
+            **one_way)))
+        assert all(torch.equal(g, x) for g, x in zip(got, xs.values()))
+    elif rank == 1:
+        for name, x in xs.items():
+            time.sleep(2.5)
+            y = bf.neighbor_allreduce(x, self_weight=0.5, src_weights={0: 0.5}, dst_weights={},
+                                      name=name, **one_way)
+            assert torch.allclose(y, x - 0.5), name
+    bf.barrier()
+elif mode == "warn":
     if rank == 1:
         time.sleep(3.0)
     y = bf.neighbor_allreduce(torch.ones(3) * rank, name="late.op")
