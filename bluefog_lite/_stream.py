@@ -49,6 +49,18 @@ def _header(entries):
     return _HEAD.pack(len(header)), header, _PADDING[_aligned(used) - used]
 
 
+_CACHED = 1024      # entries of each header cache: generated names must not grow one without bound
+
+
+def _remember(cache, key, value):
+    """cache[key] = value, emptying the cache first once it holds _CACHED entries.
+    Returns value."""
+    if len(cache) >= _CACHED:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 _EMPTY = np.empty(0, np.uint8)
 _PADDING = [bytes(n) for n in range(_ALIGN)]
 _TAG = struct.Struct("<Q")     # a large entry's private tag, in the packet's body
@@ -326,9 +338,7 @@ class StreamEndpoint:
         key = tuple(entries)
         head = self._packed_headers.get(key)
         if head is None:
-            if len(self._packed_headers) >= 1024:      # generated names: do not grow without bound
-                self._packed_headers.clear()
-            head = self._packed_headers[key] = b"".join(_header(entries))
+            head = _remember(self._packed_headers, key, b"".join(_header(entries)))
         return head
 
     def send_packet(self, dst, packet, entries=1):
@@ -343,10 +353,8 @@ class StreamEndpoint:
         under key, as flush_one would build it; each (key, meta)'s header is made once."""
         head = self._headers.get((key, meta))
         if head is None:
-            if len(self._headers) >= 1024:      # generated names: do not grow without bound
-                self._headers.clear()
-            head = self._headers[(key, meta)] = b"".join(
-                _header([_inline_entry(key, _KIND_TENSOR, meta, 0, raw.nbytes)]))
+            head = _remember(self._headers, (key, meta),
+                             b"".join(_header([_inline_entry(key, _KIND_TENSOR, meta, 0, raw.nbytes)])))
         n = raw.nbytes
         return b"".join((head, raw, _PADDING[_aligned(n) - n]))
 
@@ -379,9 +387,7 @@ class StreamEndpoint:
         if entries is None:
             entries = pickle.loads(header)
             if all(loc is not None for _, _, _, loc in entries):
-                if len(self._unpickled) >= 1024:      # generated names: do not grow without bound
-                    self._unpickled.clear()
-                self._unpickled[header] = entries
+                _remember(self._unpickled, header, entries)
         return entries
 
     def _unpack(self, src, packet):
@@ -406,8 +412,7 @@ class StreamEndpoint:
                 entry.ready = True
                 self.arrived.append((src, key))
             else:
-                tag = _TAG.unpack_from(packet, start + loc[1])[0]
-                self.unposted.append(LargeReceive(entry, tag, loc[2], [(src, key)]))
+                self._announce(entry, packet, start, loc, [(src, key)])
             self.inbox[(src, key)].append(entry)
 
     def _unpack_group(self, src, meta, loc, packet, start):
@@ -418,8 +423,7 @@ class StreamEndpoint:
             slab.flat, slab.ready = _as_tensor(raw, (dtype, (slab.offsets[-1],))), True
             self.arrived.extend(slab.keys())
         else:
-            tag = _TAG.unpack_from(packet, start + loc[1])[0]
-            self.unposted.append(LargeReceive(slab, tag, loc[2], slab.keys()))
+            self._announce(slab, packet, start, loc, slab.keys())
         inbox = self.inbox
         for key, member in zip(slab.keys(), map(Member, itertools.repeat(slab), range(len(slab.names)))):
             q = inbox.get(key)
@@ -427,6 +431,12 @@ class StreamEndpoint:
                 inbox[key] = collections.deque((member,))
             else:
                 q.append(member)
+
+    def _announce(self, item, packet, start, loc, keys):
+        """A large entry's descriptor came in: its data (on the tag the packet's body
+        holds at loc) waits for the engine to post its receive."""
+        tag = _TAG.unpack_from(packet, start + loc[1])[0]
+        self.unposted.append(LargeReceive(item, tag, loc[2], keys))
 
     def post(self, large):
         """Post the receive of a LargeReceive into a pooled buffer."""
