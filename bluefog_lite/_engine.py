@@ -421,20 +421,16 @@ class Engine:
         self._let_go()
 
     def held_take(self, keys):
-        """Under hold_if_idle: receive what has come in, then take the entries for
-        every key (src, name), or None while any is missing (nothing taken)."""
+        """Under hold_if_idle: the entries for every key (src, name), or None while any
+        is missing (nothing taken). If they are not all in yet, first receive what has
+        come, post the receives of the call's own large inputs at once (the next of
+        their keys from their senders), and ring back the senders of those that are in."""
         entries = self._take_all(keys)
-        if entries is None and self.stream.receive(self._caller_status):
-            entries = self._take_all(keys)
-        return entries
-
-    def held_receive(self, keys):
-        """held_take for a call whose inputs may be large tensors: receive what has come
-        in, post the receives of its own large inputs at once (the next of their keys
-        from their senders), ring back the senders of those that are in, then take
-        the entries for every key, or None while any is missing."""
+        if entries is not None:
+            return entries
         s = self.stream
-        if s.receive(self._caller_status) and s.unposted:
+        moved = s.receive(self._caller_status)
+        if moved and s.unposted:
             wanted, left = set(keys), []
             for large in s.unposted:
                 if wanted.issuperset(large.keys) and self._next_of_its_keys(large):
@@ -444,12 +440,13 @@ class Engine:
             s.unposted = left
         if s.pending_recvs and s.test_recvs():
             self.ring_peers()
-        return self._take_all(keys)
+            moved = True
+        return self._take_all(keys) if moved else None
 
     def held_interrupted(self, large=False):
         """Under hold_if_idle: True once the loop is needed for something else (an
         operation another thread queued, a large tensor announced or arriving; with
-        ``large``, one that held_receive does not take for the call)."""
+        ``large``, one that held_take does not take for the call)."""
         s = self.stream
         if large:
             return bool(self._queue or s.unposted)

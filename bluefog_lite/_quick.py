@@ -146,7 +146,7 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
         out = torch.empty_like(x)
         keys = [(src, name) for src in recv_from]
         window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
-        entries = _wait(lambda: eng.held_receive(keys), eng, window, large=True)
+        entries = _wait(lambda: eng.held_take(keys), eng, window, large=True)
         if entries is not None:
             _tasks.average_of(call, x, out, self_weight, src_weights, entries)
             reqs = [r for r, _ in call.data_requests]
