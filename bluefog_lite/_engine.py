@@ -64,6 +64,9 @@ def _fused_with(op):
 
 _yield = os.sched_yield
 _monotonic = time.monotonic
+# Large sends of failed calls still in flight when their engine stopped: their
+# receivers may never take them, and MPI may read the memory until it finalizes.
+_ABANDONED = []
 
 
 def _drain(iterator):
@@ -279,6 +282,7 @@ class Engine:
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
                              f"still in flight: {sorted(self._names)}\n")
             return
+        _ABANDONED.extend(self.stream.failed_sends)
         self.doorbell.close()
         self.comm.Free()
 
@@ -286,6 +290,14 @@ class Engine:
     def send_tensor(self, op, dst, key, out):
         """Queue Outgoing out (see _stream.py) for dst under key."""
         self.stream.queue_tensor(dst, key, out, op.data_requests)
+
+    def keep_sending(self, data_requests):
+        """Large sends of a call that failed (an error in its task, a timeout, the
+        quick path): MPI reads their memory until a receiver takes them, so their
+        tensors are kept alive until then (a scaled copy has no other owner, and the
+        caller may free its input at once). Unlike the packets in flight they do not
+        hold up shutdown: a receiver may never come (_ABANDONED)."""
+        self.stream.failed_sends.extend(data_requests)
 
     def send_object(self, dst, key, obj):
         self.stream.queue_object(dst, key, obj)
@@ -656,6 +668,8 @@ class Engine:
             moved = True
         if s.sent_packets:
             s.test_sends()
+        if s.failed_sends:
+            s.failed_sends = [(r, t) for r, t in s.failed_sends if not r.Test()]
         if s.arrived:
             # only operations that something arrived for are looked at
             arrived, s.arrived = s.arrived, []
@@ -805,6 +819,8 @@ class Engine:
 
     def _finish(self, op):
         op.finished_task = True
+        if op.error is not None and op.data_requests:
+            self.keep_sending(op.data_requests)
         op.data_requests = []
         if op.coll_seq is not None:
             self.posted_collective(op)

@@ -148,7 +148,11 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
         window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
         entries = _wait(lambda: eng.held_take(keys), eng, window, large=True)
         if entries is not None:
-            _tasks.average_of(call, x, out, self_weight, src_weights, entries)
+            try:
+                _tasks.average_of(call, x, out, self_weight, src_weights, entries)
+            except BaseException:
+                eng.keep_sending(call.data_requests)
+                raise
             reqs = [r for r, _ in call.data_requests]
             if _wait(lambda: MPI.Request.Testall(reqs) or None, eng, window, large=True):
                 eng.stream.stats["quick"] += 1

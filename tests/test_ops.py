@@ -44,6 +44,10 @@ def test_fused_groups_match_numpy_when_agents_group_differently(n):
     run_agents(n, "ops_fused_groups.py", timeout=150)
 
 
+def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
+    run_agents(4, "ops_failed_sends.py", timeout=90, env={"BLUEFOG_STALL_WARNING_S": "30"})
+
+
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_blocking_calls_run_by_their_caller_match_numpy_and_mix_with_nonblocking_agents(mode):
     env = {"BLUEFOG_CALLER_PROGRESS": "1" if mode == "on" else "0"}
