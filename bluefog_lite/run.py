@@ -62,10 +62,19 @@ def find_launcher() -> Launcher:
                 f"no MPI launcher found: BLUEFOG_MPIEXEC={override!r} is not an "
                 f"executable file; fix it or unset it, or {NO_LAUNCHER_HINT}")
         return Launcher(path, detect_flavor(path))
+    path = default_mpiexec()
+    if path is None:
+        raise LauncherNotFound(f"no MPI launcher found: {NO_LAUNCHER_HINT}")
+    return Launcher(path, detect_flavor(path))
+
+
+def default_mpiexec() -> Optional[str]:
+    """The launcher found without ``$BLUEFOG_MPIEXEC`` (see find_launcher), or None;
+    nothing is run (the test helpers and run_all.py launch with it)."""
     for path in _default_candidates():
         if os.path.isfile(path) and os.access(path, os.X_OK):
-            return Launcher(path, detect_flavor(path))
-    raise LauncherNotFound(f"no MPI launcher found: {NO_LAUNCHER_HINT}")
+            return path
+    return None
 
 
 def _default_candidates() -> List[str]:

@@ -1,18 +1,14 @@
 """Launch multi-agent test programs under the pip MPICH with a hard timeout."""
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 
+from bluefog_lite.run import default_mpiexec
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
-
-
-def mpiexec():
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return local if os.path.exists(local) else shutil.which("mpiexec")
 
 
 def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
@@ -21,7 +17,7 @@ def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
     Returns (returncode, combined output). A job that does not finish within
     timeout is killed and reported as a failed test, never a hung suite."""
     path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
-    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, path, *map(str, args)]
+    cmd = [default_mpiexec(), "-n", str(nprocs), sys.executable, path, *map(str, args)]
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("OMP_NUM_THREADS", "1")

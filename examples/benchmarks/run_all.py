@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -23,14 +22,11 @@ import sys
 import tempfile
 import time
 
+from bluefog_lite.run import default_mpiexec
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BENCHES = ("neighbor_allreduce", "fusion", "windows", "training", "timeline", "memory")
-
-
-def mpiexec():
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return local if os.path.exists(local) else shutil.which("mpiexec")
 
 
 def plan(quick, agent_counts, main_agents):
@@ -70,7 +66,7 @@ def launch(script, agents, args, json_path, log_path, timeout, work, library=REP
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = library + os.pathsep + env.get("PYTHONPATH", "")
     extra = ["--dir", os.path.join(work, "timeline")] if script == "bench_timeline.py" else []
-    cmd = [mpiexec(), "-n", str(agents), sys.executable, os.path.join(HERE, script), *args, *extra,
+    cmd = [default_mpiexec(), "-n", str(agents), sys.executable, os.path.join(HERE, script), *args, *extra,
            "--json", json_path]
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
