@@ -11,7 +11,7 @@ import time
 
 current = None   # the active Recorder, or None
 
-_now_ns = now_ns = time.perf_counter_ns
+now_ns = time.perf_counter_ns     # the clock of every event (and of the hooks, hooks.py)
 _ident = threading.get_ident
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
@@ -33,21 +33,21 @@ class Recorder:
         self.thread_names = {}   # thread ident -> display name
 
     def begin(self, tensor_name, activity, tid=None):
-        self.events.append(("B", _now_ns(), tensor_name, activity, tid or _ident()))
+        self.events.append(("B", now_ns(), tensor_name, activity, tid or _ident()))
 
     def begin_scoped(self, tensor_name, activity, tid=None):
-        self.events.append(("S", _now_ns(), tensor_name, activity, tid or _ident()))
+        self.events.append(("S", now_ns(), tensor_name, activity, tid or _ident()))
 
     def end(self, tensor_name, tid=None, activity=None):
-        self.events.append(("E", _now_ns(), tensor_name, activity, tid or _ident()))
+        self.events.append(("E", now_ns(), tensor_name, activity, tid or _ident()))
 
     def instant(self, tensor_name, activity, tid=None):
-        self.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))
+        self.events.append(("i", now_ns(), tensor_name, activity, tid or _ident()))
 
     def instants(self, names, activity):
         """One instant per name (a name, or a sequence of names: the members of a
         fused group) at one time on the calling thread."""
-        t, tid = _now_ns(), _ident()
+        t, tid = now_ns(), _ident()
         if names.__class__ is str:
             self.events.append(("i", t, names, activity, tid))
         else:
@@ -57,7 +57,7 @@ class Recorder:
         """A span from begin to now on the calling thread, one per name (a name, or
         a sequence of names): a sub-phase, FORWARD, BACKWARD. One event instead of a
         begin and an end: half the recording and half the writer's lines. Returns now."""
-        end, tid = _now_ns(), _ident()
+        end, tid = now_ns(), _ident()
         span = (begin, end)
         if names.__class__ is str:
             self.events.append(("X", span, names, activity, tid))
@@ -74,16 +74,16 @@ class Recorder:
 def begin(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
-        rec.events.append(("B", _now_ns(), tensor_name, activity, tid or _ident()))
+        rec.events.append(("B", now_ns(), tensor_name, activity, tid or _ident()))
 
 
 def end(tensor_name, tid=None, activity=None):
     rec = current
     if rec is not None:
-        rec.events.append(("E", _now_ns(), tensor_name, activity, tid or _ident()))
+        rec.events.append(("E", now_ns(), tensor_name, activity, tid or _ident()))
 
 
 def instant(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
-        rec.events.append(("i", _now_ns(), tensor_name, activity, tid or _ident()))
+        rec.events.append(("i", now_ns(), tensor_name, activity, tid or _ident()))
