@@ -29,30 +29,41 @@ BACKWARD at that end instead (timestamps never go backwards on a row).
 Only the public hook API is used and every handle is kept, so ``remove()``
 undoes everything (the per-pass node hook lives and dies with its graph).
 Hooks cost a few microseconds per module call even while the timeline is not
-recording; the optimizer wrappers install them only when a timeline is
-configured.
+recording; the optimizer wrappers install them only while a timeline file is
+open (from its start to its stop, or through its step window), and not on a
+model that has them already. Hooks installed with this call replace the ones a
+wrapper installed on the same model, so a model never records its spans twice.
 """
 import threading
-import time
+import weakref
 
 import torch
 
 from .timeline import _recorder
 
 _ident = threading.get_ident
-_now_ns = time.perf_counter_ns
+_now_ns = _recorder.now_ns
+
+
+_installed = weakref.WeakKeyDictionary()   # model -> {TimelineHooks in place on it: installed by a wrapper}
 
 
 class TimelineHooks:
     """The handles installed by timeline_install_hooks; ``remove()`` removes them all."""
 
-    def __init__(self, handles):
+    def __init__(self, handles, model=None, auto=False):
         self.handles = handles
+        self._model = weakref.ref(model) if model is not None else None
+        if model is not None:
+            _installed.setdefault(model, {})[self] = auto
 
     def remove(self):
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            _installed.get(model, {}).pop(self, None)
 
     def __len__(self):
         return len(self.handles)
@@ -80,6 +91,21 @@ def timeline_install_hooks(model, prefix=""):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {prefix!r}")
+    for hooks, auto in list(_installed.get(model, {}).items()):
+        if auto:
+            hooks.remove()     # an optimizer wrapper's: these take their place
+    return _install(model, prefix, auto=False)
+
+
+def install_unless_present(model):
+    """An optimizer wrapper's hooks: installed unless the model has timeline hooks
+    already (then None)."""
+    if _installed.get(model):
+        return None
+    return _install(model, "", auto=True)
+
+
+def _install(model, prefix, auto):
     names = {id(p): prefix + n for n, p in model.named_parameters()}
     owner = {}                 # parameter id -> index of the module that owns it
     state = _Pass()
@@ -99,7 +125,7 @@ def timeline_install_hooks(model, prefix=""):
     for name, p in model.named_parameters():
         if p.requires_grad:
             handles.append(p.register_hook(_gradient_ready(prefix + name, owner[id(p)], state)))
-    return TimelineHooks(handles)
+    return TimelineHooks(handles, model, auto)
 
 
 def _forward_begin(state, begins):

@@ -20,6 +20,7 @@ import torch
 from . import ops, windows
 from ._local_steps import register_step_function, step_function_for  # noqa: F401 (re-export)
 from ._runtime import state
+from .hooks import install_unless_present
 from .timeline import _control as _timeline
 
 
@@ -71,9 +72,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.enable_topo_check = True
         self.src_machine_weights = None
         self.dst_machine_weights = None
-        if _timeline.configured():
-            from .hooks import timeline_install_hooks
-            self._hooks.append(timeline_install_hooks(model))
+        self._timeline_hooks = None     # FORWARD/BACKWARD hooks while a timeline is open
+        _timeline.follow(self)
+        self.timeline_changed()
 
     def __getstate__(self):
         raise TypeError("distributed optimizers cannot be pickled; save state_dict() instead")
@@ -149,10 +150,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if own:
                 self._hooks.append(module.register_forward_hook(make_hook(own)))
 
+    def timeline_changed(self):
+        """Called when a timeline file opens or closes on this agent (and at creation):
+        the model's compute spans are recorded while one is open, by hooks this
+        wrapper installs unless the model has them already (hooks.py)."""
+        if _timeline.configured() and self._hooks is not None:
+            if self._timeline_hooks is None or not self._timeline_hooks.handles:
+                self._timeline_hooks = install_unless_present(self.model)
+        elif self._timeline_hooks is not None:
+            self._timeline_hooks.remove()
+            self._timeline_hooks = None
+
     def remove_hooks(self):
-        for h in self._hooks:
+        """Remove every hook this wrapper installed (for good: a timeline opened later
+        does not install compute hooks either)."""
+        for h in self._hooks or ():
             h.remove()
-        self._hooks = []
+        self._hooks = None
+        self.timeline_changed()
 
 
 class _ParameterCommunicator(_DistributedOptimizer):

@@ -236,6 +236,12 @@ def test_timeline_start_stop_at_run_time(tmp_path):
         assert t.activities("u", "main") == ["OPEN_AT_STOP"]      # ended by timeline_stop
         assert "ENQUEUE_NEIGHBOR_ALLREDUCE" in t.activities("open_at_stop", "main")
         assert any(i[2] == "CYCLE_START" for i in t.instants)     # mark_cycles=True
+        # optimizer wrappers created before the start: compute spans of the two steps
+        # recorded, once each, whether the wrapper or the user installed the hooks
+        for p in ("0.weight", "2.bias", "b1.weight", "b2.bias"):
+            acts = t.activities(p, "main")
+            assert acts.count("FORWARD") == 2 and acts.count("BACKWARD") == 2, (p, acts)
+            assert acts.count("ENQUEUE_NEIGHBOR_ALLREDUCE") == 2, (p, acts)
 
 
 def test_step_window_records_only_its_steps(tmp_path):

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 
 from . import _clock, _recorder
 from ._writer import COMM_TID, MAIN_TID, Writer
@@ -18,6 +19,7 @@ from ._writer import COMM_TID, MAIN_TID, Writer
 _session = None    # the open _Session, recording or waiting for its step window
 _steps = 0         # optimizer steps completed since the timeline was configured
 _clock_sync = None  # (offset_us, rtt_us) measured at init, or None
+_followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
 
 
 def timeline_path(prefix, rank):
@@ -138,6 +140,7 @@ def start_from_environment():
     _session = _Session(prefix, st, start, end, fd)
     if start == 0:
         _session.record()
+    _tell_followers()
 
 
 def timeline_start(prefix, mark_cycles=False):
@@ -155,11 +158,13 @@ def timeline_start(prefix, mark_cycles=False):
     if mark_cycles:
         st.engine.mark_cycles = True
     _session.record()
+    _tell_followers()
 
 
 def timeline_stop():
     """Finish the open timeline file, if any (every open span is ended now)."""
     _close_session()
+    _tell_followers()
 
 
 def _close_session():
@@ -172,6 +177,19 @@ def _close_session():
 def stop_timeline():
     """Called by shutdown(), after the communication thread has stopped."""
     _close_session()
+    _tell_followers()
+
+
+def follow(obj):
+    """Call obj.timeline_changed() whenever a timeline file opens or closes on this
+    agent (timeline_start/stop, the end of the step window, shutdown), for as long
+    as obj lives: the optimizer wrappers install their compute hooks that way."""
+    _followers.add(obj)
+
+
+def _tell_followers():
+    for obj in list(_followers):
+        obj.timeline_changed()
 
 
 def step():
@@ -190,6 +208,7 @@ def step():
         session.record()
     elif session.recording and session.end_step is not None and _steps > session.end_step:
         _close_session()
+        _tell_followers()
 
 
 def configured():
