@@ -118,7 +118,7 @@ def main(argv=None):
     script = os.path.basename(args.script)
     if not os.path.exists(os.path.join(HERE, script)):
         ap.error(f"no benchmark script {script!r} in {HERE}")
-    if run_all.mpiexec() is None:
+    if run_all.default_mpiexec() is None:
         raise SystemExit("ab.py: no mpiexec found (pip install mpich)")
     work = tempfile.mkdtemp(prefix="bluefog_ab_")
     base_tree = os.path.join(work, "base")
