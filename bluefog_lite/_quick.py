@@ -139,27 +139,16 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
     if not eng.hold_if_idle(name):
         return None
     held = True
+    call = _Sends(name)
     try:
-        call = _Sends(name)
-        _tasks._send_all(eng, call, name, x, send_plan)     # descriptors, then the data from x
-        eng.ring_peers()
-        out = torch.empty_like(x)
-        keys = [(src, name) for src in recv_from]
-        window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
-        entries = _wait(lambda: eng.held_take(keys), eng, window, large=True)
-        if entries is not None:
-            try:
-                _tasks.average_of(call, x, out, self_weight, src_weights, entries)
-            except BaseException:
-                eng.keep_sending(call.data_requests)
-                raise
-            reqs = [r for r, _ in call.data_requests]
-            if _wait(lambda: MPI.Request.Testall(reqs) or None, eng, window, large=True):
-                eng.stream.stats["quick"] += 1
-                return out
-            task = lambda e, op: _result(out)     # only its sends are left
-        else:
-            task = lambda e, op: _tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
+        try:
+            out, task = _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from)
+        except BaseException:   # a neighbor's other shape, an interrupt: MPI may still read the sends
+            eng.keep_sending(call.data_requests)
+            raise
+        if task is None:
+            eng.stream.stats["quick"] += 1
+            return out
         eng.stream.stats["quick_continued"] += 1
         held = False    # continue_held lets go
         handle = eng.continue_held(name, _Call.kind, task, call.data_requests)
@@ -167,6 +156,25 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
         if held:
             eng.release_hold(name)
     return eng.synchronize(handle)
+
+
+def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
+    """Send, receive and average while holding the loop: (out, None) when done, or
+    (out, the task the loop finishes the call with)."""
+    name = call.name
+    _tasks._send_all(eng, call, name, x, send_plan)     # descriptors, then the data from x
+    eng.ring_peers()
+    out = torch.empty_like(x)
+    keys = [(src, name) for src in recv_from]
+    window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
+    entries = _wait(lambda: eng.held_take(keys), eng, window, large=True)
+    if entries is None:
+        return out, lambda e, op: _tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
+    _tasks.average_of(call, x, out, self_weight, src_weights, entries)
+    reqs = [r for r, _ in call.data_requests]
+    if _wait(lambda: MPI.Request.Testall(reqs) or None, eng, window, large=True):
+        return out, None
+    return out, lambda e, op: _result(out)     # only its sends are left
 
 
 def _result(out):
