@@ -278,11 +278,11 @@ class Engine:
             self._stopping = True
         self._wake()
         self._thread.join(max(self.stall_warning_s, 1.0))
+        _ABANDONED.extend(self.stream.failed_sends)
         if self._thread.is_alive():
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
                              f"still in flight: {sorted(self._names)}\n")
             return
-        _ABANDONED.extend(self.stream.failed_sends)
         self.doorbell.close()
         self.comm.Free()
 
