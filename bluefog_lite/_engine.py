@@ -169,7 +169,8 @@ class Engine:
         self.stream = StreamEndpoint(comm, threshold, inline, self.pool)
         self.stall_warning_s = _env_float("BLUEFOG_STALL_WARNING_S", 60.0)
         self.op_timeout_s = _env_float("BLUEFOG_OP_TIMEOUT_S", 0.0)
-        self.mark_cycles = os.environ.get("BLUEFOG_TIMELINE_MARK_CYCLES", "") not in ("", "0")
+        self.mark_cycles_env = os.environ.get("BLUEFOG_TIMELINE_MARK_CYCLES", "") not in ("", "0")
+        self.mark_cycles = self.mark_cycles_env     # timeline_start(mark_cycles=...) sets it per file
         self.yield_window_s = _env_float("BLUEFOG_YIELD_WINDOW_S", 3e-4)
         self.transfer_window_s = _env_float("BLUEFOG_TRANSFER_WINDOW_S", 3e-3)
         self.wait_sleep_max_s = _env_float("BLUEFOG_WAIT_SLEEP_MAX_S", 1e-3)

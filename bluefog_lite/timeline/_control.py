@@ -155,8 +155,7 @@ def timeline_start(prefix, mark_cycles=False):
     st = state()
     _close_session()
     _session = _Session(prefix, st)
-    if mark_cycles:
-        st.engine.mark_cycles = True
+    st.engine.mark_cycles = bool(mark_cycles) or st.engine.mark_cycles_env
     _session.record()
     _tell_followers()
 

@@ -58,5 +58,8 @@ bf.synchronize(open_op)
 bf.neighbor_allreduce(x, name="after")
 assert bf.timeline_start_activity("u", "B") is False
 bf.timeline_stop()           # stopping twice is harmless
+bf.timeline_start(prefix + "again_")     # mark_cycles=False: this file has no cycle markers
+bf.neighbor_allreduce(x, name="again")
+bf.timeline_stop()
 bf.shutdown()
 print(f"AGENT OK {bf._runtime._state.rank}", flush=True)
