@@ -14,6 +14,7 @@ argv[1] == "on": BLUEFOG_CALLER_PROGRESS on (the default); "off": switched off.
    says they should.
 """
 import sys
+import time
 
 import numpy as np
 import torch
@@ -74,8 +75,20 @@ want = sum(vals[:, s].sum(axis=0) for s in ins)
 assert np.allclose(collected.numpy(), want, rtol=1e-12, atol=1e-12), f"rank {r}: accumulated buffers are wrong"
 bf.barrier()          # every agent has collected before the puts overwrite the buffers
 puts = rng.standard_normal((10, n, 64))
+
+
+def thread_asleep(limit_s=2.0):
+    """Wait (bounded) until the communication thread sleeps: the condition under which a
+    blocking call is run by its caller. On a loaded host the thread, woken by a peer, may
+    still be on its way back to sleep when the next call comes; then it runs that call."""
+    end = time.monotonic() + limit_s
+    while not eng._sleeping and time.monotonic() < end:
+        time.sleep(0.001)
+
+
 before = eng.driven_by_callers
 for k in range(10):
+    thread_asleep()
     bf.win_put(torch.from_numpy(puts[k, r].copy()), "cp")
 win_driven = eng.driven_by_callers - before
 bf.barrier()
