@@ -174,8 +174,14 @@ def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x))
     _same_meta_or_raise(op, views, _meta_text)
+    dtype = x.dtype
+    # An average of narrow integers is summed in int64: the sum would wrap first.
+    widen = average and not x.is_floating_point() and dtype != torch.int64
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
+        if widen:
+            x = out = x.to(torch.int64)
+        else:
+            out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
     src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
     yield from _collective_call(eng, op, out.numel() > 0,
                                 lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
@@ -183,6 +189,8 @@ def allreduce(eng, op, x, average, target):
         with _phase(op.name, "COMPUTE_AVERAGE"):
             if out.is_floating_point():
                 out.div_(eng.size)
+            elif widen:
+                out = torch.div(out, eng.size, rounding_mode="floor").to(dtype)
             else:
                 out.copy_(torch.div(out, eng.size, rounding_mode="floor"))
     if target is not None and out is not target:

@@ -29,6 +29,16 @@ for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5)):
 xi = torch.arange(5, dtype=torch.int32) * (rank + 1)
 assert bf.allreduce(xi, average=False, name="ar.int").tolist() == [k * size * (size + 1) // 2 for k in range(5)]
 
+# The average of narrow integers near the top of their range: the sum does not fit
+# the dtype, the average does (numpy computes it in int64).
+for dt, top in ((torch.uint8, 250), (torch.int8, -120), (torch.int16, 32000), (torch.int32, 2**31 - 9)):
+    vals = np.array([[top - r, top - 2 * r, top - (r * 3) % 5] for r in range(size)], dtype=np.int64)
+    xn = torch.from_numpy(vals[rank]).to(dt)
+    for fn in (bf.allreduce, bf.allreduce_):
+        got = fn(xn.clone(), name=f"ar.narrow.{dt}.{fn.__name__}")
+        assert got.dtype == dt, got.dtype
+        assert got.tolist() == np.floor_divide(vals.sum(0), size).tolist(), (dt, got.tolist())
+
 # non-contiguous in-place
 xt = torch.from_numpy(data(rank, (3, 4))).t()
 bf.allreduce_(xt, name="ar.nc")
