@@ -474,7 +474,7 @@ def _machine_sum(eng, op, x, local_ranks):
         _check_same(op, x, local)
         by_rank = {e.src: e.value for e in local}
         by_rank[eng.rank] = x
-        acc_dtype = x.dtype if x.is_floating_point() else torch.float64
+        acc_dtype = x.dtype if x.is_floating_point() or x.is_complex() else torch.float64
         with _phase(op.name, "COMPUTE_AVERAGE"):
             total = torch.zeros(x.shape, dtype=acc_dtype)
             for r in sorted(by_rank):

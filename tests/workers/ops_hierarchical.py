@@ -34,6 +34,14 @@ U = A / A.sum(axis=0, keepdims=True)
 y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), name="hna")
 np.testing.assert_allclose(y.numpy(), sum(U[i, m] * machine_mean[i] for i in range(M)), rtol=1e-12)
 
+# complex tensors: the imaginary part is averaged like the real part
+zdata = lambda r: data(r) + 1j * data(r + 100)
+zmean = [np.mean([zdata(mm * per + l) for l in range(per)], axis=0) for mm in range(M)]
+for dt in (torch.complex128, torch.complex64):
+    y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(zdata(rank)).to(dt), name=f"hna.{dt}")
+    assert y.dtype == dt
+    np.testing.assert_allclose(y.numpy(), sum(U[i, m] * zmean[i] for i in range(M)), rtol=1e-5)
+
 # explicit weights, dynamic: every machine sends to machine m+1
 dst = [(m + 1) % M] if M > 1 else []
 src = {(m - 1) % M: 0.4} if M > 1 else {}
