@@ -10,7 +10,13 @@ import math
 import torch
 
 
+def _signed(grad, group):
+    """maximize=True: torch steps along the gradient, i.e. against its negation."""
+    return -grad if group.get("maximize", False) else grad
+
+
 def _decayed(p, grad, group):
+    grad = _signed(grad, group)
     wd = group.get("weight_decay", 0)
     return grad.add(p, alpha=wd) if wd else grad
 
@@ -39,6 +45,7 @@ def adam_step(p, grad, group, state):
     if group.get("amsgrad", False):
         raise ValueError("the per-parameter Adam step does not implement amsgrad; "
                          "register your own with bf.register_step_function")
+    grad = _signed(grad, group)
     wd = group.get("weight_decay", 0)
     if wd and group.get("decoupled_weight_decay", False):   # AdamW
         p.mul_(1 - group["lr"] * wd)

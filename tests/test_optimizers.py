@@ -35,6 +35,12 @@ def test_gradient_allreduce_with_adam_is_exact():
     lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
     lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01),
     lambda p: torch.optim.Adadelta(p, lr=1.0, weight_decay=0.01),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, maximize=True),
+    lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, maximize=True),
+    lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, maximize=True),
+    lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True, maximize=True),
+    lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, weight_decay=0.1, maximize=True),
+    lambda p: torch.optim.Adadelta(p, lr=1.0, weight_decay=0.01, maximize=True),
 ])
 def test_per_parameter_step_matches_torch(make):
     torch.manual_seed(0)
