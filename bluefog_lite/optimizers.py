@@ -131,6 +131,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps += 1
         _timeline.step()
 
+    @staticmethod
+    def _run_closure(closure):
+        """step(closure): the closure's forward/backward come first, so that the
+        communication they launch completes in this step (grad enabled, as torch does)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def _launch_after_forward(self, model, launch):
         """launch(name, p) for each module's own parameters right after its forward,
         once per communicating step (even when forward runs several times)."""
@@ -216,11 +225,12 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
         self._launch_after_forward(model, self._launch)
 
     def step(self, closure=None):
+        loss = self._run_closure(closure)
         if self._communicating():
             self._launch_rest()
             if not self._skip_sync:
                 self.synchronize()
-        loss = self.optimizer.step(closure)
+        self.optimizer.step()
         self._finish_step()
         return loss
 
@@ -260,7 +270,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         return hook
 
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = self._run_closure(closure)
         if self._communicating():
             self._launch_rest()
             if not self._skip_sync:
@@ -295,13 +305,14 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         p.grad.copy_(result)
 
     def step(self, closure=None):
+        loss = self._run_closure(closure)
         for name, p in self._named:    # parameters without a gradient this step: nothing to average
             if p.grad is not None and name not in self._handles:
                 self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
         if not self._skip_sync:
             self.synchronize()
         self._passes.clear()
-        loss = self.optimizer.step(closure)
+        self.optimizer.step()
         self._finish_step()
         return loss
 
@@ -344,9 +355,10 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
                                    neighbor_weights=self.src_weights)
 
     def step(self, closure=None):
+        loss = self._run_closure(closure)
         if self._communicating() and not self._skip_sync:
             self.synchronize()
-        loss = self.optimizer.step(closure)
+        self.optimizer.step()
         self._finish_step()
         return loss
 

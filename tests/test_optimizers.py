@@ -16,9 +16,17 @@ def test_sgd_wrappers_reach_centralized_solution(wrapper, comm):
     run_agents(4, "opt_linear.py", wrapper, comm, "sgd", timeout=120)
 
 
-def test_win_put_optimizer_reaches_a_neighborhood():
+@pytest.mark.parametrize("how", ["loop", "closure"])
+def test_win_put_optimizer_reaches_a_neighborhood(how):
     """Asynchronous: stale neighbor values bias the fixed point; relative error < 0.3."""
-    run_agents(4, "opt_linear.py", "winput", "-", "sgd", timeout=120)
+    run_agents(4, "opt_linear.py", "winput", "-", "sgd", how, timeout=120)
+
+
+def test_step_with_closure_equals_an_explicit_pass():
+    """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
+    losses as zero_grad/forward/backward/step() (the closure's communication completes
+    in its own step)."""
+    run_agents(4, "opt_closure.py", timeout=120)
 
 
 def test_gradient_allreduce_with_adam_is_exact():

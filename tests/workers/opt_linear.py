@@ -11,6 +11,7 @@ import topology as topo
 bf.init()
 rank, size = bf.rank(), bf.size()
 wrapper, comm, base = sys.argv[1], sys.argv[2], sys.argv[3]
+with_closure = sys.argv[4:] == ["closure"]      # step(closure) instead of an explicit pass
 torch.manual_seed(0)
 d, m = 4, 40
 
@@ -57,10 +58,17 @@ for it in range(steps):
         send, recv = next(schedule)
         dopt.self_weight, dopt.src_weights = 0.5, {r: 0.5 for r in recv}
         dopt.dst_weights, dopt.enable_topo_check = send, False
-    dopt.zero_grad()
-    loss = 0.5 * ((model(A).squeeze(1) - b) ** 2).mean()
-    loss.backward()
-    dopt.step()
+
+    def closure():
+        dopt.zero_grad()
+        loss = 0.5 * ((model(A).squeeze(1) - b) ** 2).mean()
+        loss.backward()
+        return loss
+    if with_closure:
+        dopt.step(closure)
+    else:
+        closure()
+        dopt.step()
     sched.step()
 if wrapper == "winput":   # asynchronous: gossip the final iterates a few rounds without steps
     for _ in range(30):
