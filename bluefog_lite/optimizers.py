@@ -248,6 +248,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, group_of[id(p)])))
+        # optimizer parameters outside the model: stepped locally in step(), like
+        # the wrapped optimizer would (no communication, as in AWC)
+        self._extra = [(p, g) for g in optimizer.param_groups for p in g["params"]
+                       if id(p) not in self._name_of]
 
     def _grad_hook(self, name, group):
         def hook(p):
@@ -271,6 +275,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
+        with torch.no_grad():
+            for p, group in self._extra:
+                if p.grad is not None:
+                    self._local_step(p, p.grad, group, self.optimizer.state[p])
         if self._communicating():
             self._launch_rest()
             if not self._skip_sync:

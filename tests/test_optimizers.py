@@ -73,5 +73,6 @@ def test_unsupported_optimizer_names_the_fix():
 
 
 def test_two_backward_passes_before_step():
-    """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass."""
+    """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
+    Also: an optimizer parameter outside the model is stepped like torch.optim does."""
     run_agents(2, "opt_accumulate.py", timeout=120)

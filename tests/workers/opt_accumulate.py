@@ -1,6 +1,7 @@
 """Two backward passes before one step(): AWC steps on the summed gradient, like
 torch.optim; ATC, which has already applied and sent the first gradient, raises
-instead of silently dropping the second."""
+instead of silently dropping the second. Optimizer parameters outside the model are
+stepped locally by every wrapper."""
 import torch
 
 import bluefog_lite as bf
@@ -39,5 +40,29 @@ except RuntimeError as e:
 else:
     raise AssertionError("ATC accepted a second backward pass before step()")
 atc.synchronize()                         # the first pass's exchanges are in flight
+atc.remove_hooks()
+
+# An optimizer parameter that is not in the model (a learnable scale): every wrapper
+# steps it locally, as the wrapped optimizer alone would.
+for make in (bf.DistributedAdaptThenCombineOptimizer, bf.DistributedAdaptWithCombineOptimizer,
+             bf.DistributedGradientAllreduceOptimizer):
+    torch.manual_seed(2)
+    model, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    scale, ref_scale = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
+    wrapped = make(torch.optim.SGD([{"params": model.parameters()}, {"params": [scale], "lr": 0.3}],
+                                   lr=0.1, momentum=0.5), model)
+    plain = torch.optim.SGD([{"params": ref.parameters()}, {"params": [ref_scale], "lr": 0.3}],
+                            lr=0.1, momentum=0.5)
+    for _ in range(3):
+        for m, s, o in ((model, scale, wrapped), (ref, ref_scale, plain)):
+            o.zero_grad()
+            (s * m(x1)).pow(2).sum().backward()
+            o.step()
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=1e-6, msg=lambda m: f"{make.__name__}: {m}")
+    assert not torch.equal(scale, torch.ones(1)), make.__name__
+    for p, q in zip(model.parameters(), ref.parameters()):     # same data everywhere: W x = x
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    wrapped.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {r}", flush=True)
