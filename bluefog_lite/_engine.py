@@ -893,12 +893,12 @@ class Engine:
                     f"waiting for ranks {self._missing(op)}")
                 op.task.close()
                 if isinstance(op.wait, Recv):
-                    self._forget_inputs(op.wait.keys)
+                    self.forget_inputs(op.wait.keys)
                 self._finish(op)
 
-    def _forget_inputs(self, keys):
-        """A timed-out op's inputs must not feed the next op of the same name: drop the
-        entries that arrived, and the ones still to come when they come."""
+    def forget_inputs(self, keys):
+        """A timed-out (or failed) op's inputs must not feed the next op of the same
+        name: drop the entries that arrived, and the ones still to come when they come."""
         for key in keys:
             entry = self.stream.take(*key)
             if entry is not None:

@@ -498,18 +498,33 @@ def local_allreduce(eng, op, x, local_ranks, average):
     return _cast_back(total, x)
 
 
+_NO_MACHINE_SUM = "bluefog_lite: no machine sum"
+
+
 def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_weights,
                                     send_plan, recv_from, check):
     """Sum within the machine, exchange the machine sums with the same local rank
     of neighbor machines, weight them, divide by the agents per machine."""
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
-    machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
     key = (op.name, "machine")
+    try:
+        machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
+    except ValueError as err:
+        # No sum for this machine: the agents waiting for it fail too (instead of
+        # waiting forever), and what they send this agent must not feed a later call.
+        for dst, _ in send_plan:
+            eng.send_object(dst, key, (_NO_MACHINE_SUM, str(err)))
+        eng.forget_inputs([(src, key) for src in recv_from])
+        raise
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
         remote = yield Recv([(src, key) for src in recv_from])
     try:
+        for e in remote:
+            if not e.is_tensor and isinstance(e.value, tuple) and e.value[:1] == (_NO_MACHINE_SUM,):
+                raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} has no machine sum to send, "
+                                 f"because on its machine: {e.value[1]}")
         _check_same(op, machine_sum, remote)
         with _phase(op.name, "COMPUTE_AVERAGE"):
             acc = torch.empty_like(machine_sum)

@@ -50,6 +50,20 @@ y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), self_weight
 ref = 0.6 * machine_mean[m] + sum(w * machine_mean[s] for s, w in src.items())
 np.testing.assert_allclose(y.numpy(), ref, rtol=1e-12)
 
+# the last agent passes another shape: its machine cannot sum, and the machines that
+# receive from it get no sum: their agents raise; the name works again afterwards
+odd = torch.ones(5 if rank == size - 1 else 4, dtype=torch.float64)
+hit = m == M - 1 or U[M - 1, m] > 0        # its machine, or one that receives from it
+try:
+    bf.hierarchical_neighbor_allreduce(odd, name="hna.odd")
+except ValueError as e:
+    assert hit and "same shape and dtype" in str(e), e
+    assert m == M - 1 or f"rank {(M - 1) * per + rank % per} has no machine sum" in str(e), e
+else:
+    assert not hit, "a shape mismatch on a neighbor machine went unnoticed"
+y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), name="hna.odd")
+np.testing.assert_allclose(y.numpy(), sum(U[i, m] * machine_mean[i] for i in range(M)), rtol=1e-12)
+
 # all local ranks get bitwise the same result
 g = bf.allgather(y.view(1, -1), name="same")
 for r in range(size):
