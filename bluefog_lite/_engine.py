@@ -124,7 +124,7 @@ class OpTimeout(TimeoutError):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "caller_tid", "fuse", "riders", "inline")
+                 "caller_tid", "fuse", "riders", "inline", "reserved")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -142,6 +142,7 @@ class Op:
         self.coll_seq = None
         self.caller_tid = _get_ident()
         self.inline = False    # submitted unannounced: its synchronize runs the loop (or rings)
+        self.reserved = True   # its name is in Engine._names until synchronized
 
     def is_done(self):
         return not self._pending.locked()
@@ -207,22 +208,27 @@ class Engine:
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------
-    def submit(self, name, kind, task, fuse=None, inline=False):
+    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True):
         """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
         ``fuse``: a Fusable, if the op may run fused with others of the same key.
         ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
-        loop is not rung now: synchronize runs the loop on the caller if it can."""
+        loop is not rung now: synchronize runs the loop on the caller if it can.
+        ``reserve``: the op's messages are keyed by its name, so no other reserving
+        op may use the name until it is synchronized (window ops use MPI windows,
+        not named messages, and do not reserve)."""
         inline = inline and self.caller_progress and tl.current is None
         with self._lock:
             if self._stopping:
                 raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
-            if name in self._names:
+            if reserve and name in self._names:
                 raise ValueError(f"an operation named {name!r} is already in flight on this agent "
                                  "(not yet synchronized); synchronize it before reusing the name")
             op = Op(next(self._handles), name, kind, None, fuse)
             op.inline = inline
+            op.reserved = reserve
             op.task = task(self, op)
-            self._names.add(name)
+            if reserve:
+                self._names.add(name)
             self._ops[op.handle] = op
             if tl.current is not None:
                 tl.begin(name, "ENQUEUE_" + kind)
@@ -264,7 +270,8 @@ class Engine:
                 raise RuntimeError("the bluefog_lite communication thread has died")
         with self._lock:
             self._ops.pop(handle, None)
-            self._names.discard(op.name)
+            if op.reserved:
+                self._names.discard(op.name)
         if op.error is not None:
             raise op.error
         return op.result

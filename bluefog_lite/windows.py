@@ -108,29 +108,23 @@ def _running(eng, handles):
 
 
 def _submit(win, kind, make_task, blocking=False):
-    """Enqueue a window op under the window's name, or a numbered variant while that
-    name is taken (ops keep their names until synchronized). Ops of one window run
-    in the order they were issued. ``blocking``: the caller waits for it at once,
-    so it may run the loop itself (Engine.submit's ``inline``) instead of waking
-    the communication thread."""
+    """Enqueue a window op under the window's name, or a numbered variant while
+    other ops of the window are unsynchronized (so that each has its own name in
+    warnings and the timeline). Window ops do not reserve their name in the engine
+    (no named messages): a neighbor op may share it. Ops of one window run in the
+    order they were issued. ``blocking``: the caller waits for it at once, so it
+    may run the loop itself (Engine.submit's ``inline``) instead of waking the
+    communication thread."""
     eng = state().engine
     win.handles = _unsynchronized(eng, win.handles)
     used = {n for _, n in win.handles}
-    for k in itertools.count():
-        op_name = f"{win.name}#{k}" if k else win.name
-        if op_name in used:
-            continue
-        try:
-            # The engine builds the task under its queue lock once the name is accepted:
-            # tickets follow queue order and no ticket is lost to a refused name.
-            h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
-                win, win.take_ticket(), make_task(eng, op)), inline=blocking)
-        except ValueError:      # a non-window op of that name is in flight
-            if k > 1000:
-                raise
-            continue
-        win.handles.append((h, op_name))
-        return h
+    op_name = next(n for n in (f"{win.name}#{k}" if k else win.name for k in itertools.count())
+                   if n not in used)
+    # The engine builds the task under its queue lock: tickets follow queue order.
+    h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
+        win, win.take_ticket(), make_task(eng, op)), inline=blocking, reserve=False)
+    win.handles.append((h, op_name))
+    return h
 
 
 def win_poll(handle):

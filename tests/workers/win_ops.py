@@ -224,5 +224,21 @@ assert torch.equal(n, torch.full(SHAPE, round(total * 0.5)))
 bf.barrier()
 bf.win_free()
 assert bf.set_topology(topo.ExponentialGraph(size))
+
+# -- a neighbor op may share its name with a window whose put is still in flight ------------------
+# (window ops do not name messages; a refusal on the agents where the put was still
+# in flight left the others waiting for them forever)
+G = bf.load_topology()
+IN, W = ins(G, rank), topo.mixing_matrix(G)
+v = torch.from_numpy(data(rank, 11))
+bf.win_create(v, "shared")
+h = bf.win_put_nonblocking(v, "shared")
+close(bf.neighbor_allreduce(v, name="shared"), sum(W[r, rank] * data(r, 11) for r in [rank] + IN))
+h2 = bf.neighbor_allreduce_nonblocking(v, name="shared")
+bf.win_put(v, "shared")                    # and the other way round
+close(bf.synchronize(h2), sum(W[r, rank] * data(r, 11) for r in [rank] + IN))
+bf.win_wait(h)
+bf.barrier()
+bf.win_free("shared")
 sys.stdout.write(f"AGENT OK {rank}\n")   # one write: PYTHONUNBUFFERED splits print
 bf.shutdown()
