@@ -24,9 +24,11 @@ SHUTDOWN_GRACE_S = 10.0
 _RANK_GUARD_FLAG = "--_rank-guard"
 _NO_STATUS_DIR = "-"
 _RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Open MPI does not forward the environment to the ranks; these are what a
-# Python job needs to find the same interpreter and packages.
-_OPENMPI_FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
+# Open MPI does not forward the environment to remote ranks: bfrun forwards what a
+# Python/PyTorch job needs to find the same interpreter and packages and to keep its
+# threading and device settings (names, and prefixes of names).
+_OPENMPI_FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES")
+_OPENMPI_FORWARDED_PREFIXES = ("BLUEFOG_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "TORCH_")
 _OPTIONS_WITH_VALUE = ("-np", "-n", "-H", "--hosts", "--hostfile", "--timeline-filename")
 _HYDRA_MARKERS = ("HYDRA", "MPICH", "Intel(R) MPI")
 _OPENMPI_MARKERS = ("Open MPI", "OpenRTE", "PRRTE", "prterun")
@@ -257,8 +259,8 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
     """Return the launcher command line that runs ``args.command`` on ``args.np`` ranks.
 
     ``environ`` (default ``os.environ``) is the environment the launcher will
-    get: Open MPI is told to forward its BLUEFOG_* variables and the Python
-    search paths. With MPICH every rank runs behind the rank guard unless
+    get: Open MPI is told to forward its BLUEFOG_*, Python, thread-count and
+    device variables (_OPENMPI_FORWARDED_*). With MPICH every rank runs behind the rank guard unless
     ``args.rank_guard`` is false; ``status_dir`` is where the guards record a
     failing rank's exit code.
     """
@@ -301,7 +303,7 @@ def _openmpi_options(args: argparse.Namespace, path: str,
     for name, value in set_env.items():
         options += ["-x", f"{name}={value}"]
     for name in sorted(environ):
-        forward = name.startswith("BLUEFOG_") or name in _OPENMPI_FORWARDED_VARS
+        forward = name.startswith(_OPENMPI_FORWARDED_PREFIXES) or name in _OPENMPI_FORWARDED_VARS
         if forward and name not in set_env:
             options += ["-x", name]
     return options

@@ -99,13 +99,15 @@ def test_openmpi_hosts_hostfile_and_forwarded_environment(monkeypatch, tmp_path)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.chdir(tmp_path)
     environ = {"BLUEFOG_FUSION_THRESHOLD": "0", "BLUEFOG_TIMELINE": "/old", "PATH": "/bin",
-               "PYTHONPATH": "/src", "HOME": "/root"}
+               "PYTHONPATH": "/src", "HOME": "/root", "OMP_NUM_THREADS": "1", "VIRTUAL_ENV": "/venv",
+               "CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATHX": "x", "TERM": "xterm"}
     cmd = _command(["-np", "4", "-H", "a:2,b:2", "--timeline-filename", "tl",
                     "--extra-mpi-flags", "--bind-to none", "prog"], OPENMPI, environ)
     assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "-H", "a:2,b:2",
                    "-x", f"BLUEFOG_TIMELINE={tmp_path / 'tl'}",
-                   "-x", "BLUEFOG_FUSION_THRESHOLD", "-x", "PATH", "-x", "PYTHONPATH",
-                   "--bind-to", "none", "prog"]
+                   "-x", "BLUEFOG_FUSION_THRESHOLD", "-x", "CUDA_VISIBLE_DEVICES", "-x", "OMP_NUM_THREADS",
+                   "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONPATHX", "-x", "PYTHONUNBUFFERED",
+                   "-x", "VIRTUAL_ENV", "--bind-to", "none", "prog"]
     cmd = _command(["-np", "4", "--hostfile", "hosts", "prog"], OPENMPI, {})
     assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "--hostfile", "hosts", "prog"]
 
