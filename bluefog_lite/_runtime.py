@@ -128,7 +128,12 @@ def init(topology_fn=None, is_weighted=False):
     Every agent must get the same graph (checked: ValueError on every agent if not).
     """
     from . import _engine
+    _check_is_weighted(is_weighted)
     if _state.initialized:
+        if topology_fn is not None or is_weighted:
+            warnings.warn("bf.init() called again while initialized: it does nothing, and its topology_fn/"
+                          "is_weighted are ignored; change the topology with bf.set_topology(...)",
+                          stacklevel=2)
         return
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -232,6 +237,11 @@ def mpi_threads_supported():
 
 # ---- topology -------------------------------------------------------------
 
+def _check_is_weighted(is_weighted):
+    if not isinstance(is_weighted, (bool, np.bool_)):
+        raise TypeError(f"is_weighted must be True or False, got {is_weighted!r}")
+
+
 def _validate_graph(G, n, what, is_weighted=False):
     if not isinstance(G, nx.Graph):
         raise TypeError(f"{what} must be a networkx.DiGraph, got {type(G).__name__}")
@@ -288,6 +298,7 @@ def set_topology(topology=None, is_weighted=False):
     """Replace the static topology (collective). Returns False, with a warning,
     while windows exist or operations are in flight on any agent."""
     st = state()
+    _check_is_weighted(is_weighted)
     G = (_topo.ExponentialGraph(st.size) if topology is None
          else _validate_graph(topology, st.size, "topology", is_weighted))
     busy = bool(st.windows) or st.engine.has_pending()
@@ -322,6 +333,7 @@ def out_neighbor_ranks():
 def set_machine_topology(topology, is_weighted=False):
     """Topology among machines, used by hierarchical_neighbor_allreduce (collective)."""
     st = state()
+    _check_is_weighted(is_weighted)
     G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted)
     from .ops import _allgather_object
     views = _allgather_object(_fingerprint(G), name="set_machine_topology")

@@ -133,7 +133,33 @@ def exchange_headers(eng, op, payload):
         raise RuntimeError(f"collective operations were called in a different order on different "
                            f"agents (collective #{seq}: {listing}); every agent must issue "
                            "collectives in the same order with the same names")
+    bad = [(r, v[2].text) for r, v in enumerate(views) if isinstance(v[2], BadInput)]
+    if bad:
+        listing = "; ".join(f"rank {r}: {text}" for r, text in bad)
+        raise ValueError(f"{op.kind} {op.name!r} failed on every agent because of bad input ({listing})")
     return [v[2] for v in views]
+
+
+class BadInput:
+    """What an agent whose arguments to a collective were rejected (it raised to its
+    caller) contributes to the negotiation, so that the others raise too."""
+    __slots__ = ("text",)
+
+    def __init__(self, text):
+        self.text = text
+
+    def __reduce__(self):
+        return BadInput, (self.text,)
+
+
+def bad_input(eng, op, exc):
+    """The collective of an agent whose arguments were rejected with exc: negotiate
+    (the others learn why they fail), then raise exc."""
+    try:
+        yield from exchange_headers(eng, op, BadInput(f"{type(exc).__name__}: {exc}"))
+    except ValueError:      # the failure of every agent, this one's included
+        pass
+    raise exc
 
 
 def allgather_object(eng, op, obj):

@@ -140,14 +140,46 @@ def _reducible(t, kind):
     return t
 
 
+def _collective(kind, name, prepare):
+    """Submit the collective whose task prepare() checks the arguments for and makes.
+    With bad input (prepare raises TypeError or ValueError) this agent still takes
+    part in the collective's negotiation, so that the other agents raise an error
+    naming it instead of waiting for it; it raises its own error (at synchronize,
+    as the others do)."""
+    state()
+    try:
+        make_task = prepare()
+    except (TypeError, ValueError) as exc:
+        return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, exc))
+    return _submit(kind, name, make_task)
+
+
+def _overlaps(t):
+    """True when elements of t share memory (an expand()ed tensor: stride 0), so
+    that a result cannot be written into it."""
+    return t.numel() > 1 and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
+def _writable(t, what):
+    """Raise unless an in-place result can be written into tensor t (_overlaps)."""
+    if _overlaps(t):
+        raise ValueError(f"{what}: the tensor's elements share memory (stride 0, e.g. from expand()), "
+                         "so a result cannot be written into it; pass tensor.clone(), or use the "
+                         "out-of-place form")
+
+
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
-    x = _reducible(_tensor(tensor), "ALLREDUCE")
-    st = state()
-    if is_hierarchical_local:
+    if is_hierarchical_local:      # not a global collective: nothing to negotiate with all
+        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        st = state()
         return _submit("ALLREDUCE", name, lambda e, op: _tasks.local_allreduce(
             e, op, x, st.local_ranks, average))
-    return _submit("ALLREDUCE", name, lambda e, op: _tasks.allreduce(e, op, x, average, None))
+
+    def prepare():
+        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        return lambda e, op: _tasks.allreduce(e, op, x, average, None)
+    return _collective("ALLREDUCE", name, prepare)
 
 
 def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -157,15 +189,21 @@ def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
-    x = _reducible(_tensor(tensor), "ALLREDUCE")
     if is_hierarchical_local:
+        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        _writable(tensor, "allreduce_")
         st = state()
 
         def task(e, op):
             out = yield from _tasks.local_allreduce(e, op, x, st.local_ranks, average)
             return tensor.detach().copy_(out)
         return _submit("ALLREDUCE", name, task)
-    return _submit("ALLREDUCE", name, lambda e, op: _tasks.allreduce(e, op, x, average, tensor.detach()))
+
+    def prepare():
+        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        _writable(tensor, "allreduce_")
+        return lambda e, op: _tasks.allreduce(e, op, x, average, tensor.detach())
+    return _collective("ALLREDUCE", name, prepare)
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -174,9 +212,12 @@ def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
 
 def broadcast_nonblocking(tensor, root_rank, name=None):
     name = _op_name(name, "BROADCAST")
-    x = _tensor(tensor)
-    root = _rank(root_rank, "root_rank", state().size)
-    return _submit("BROADCAST", name, lambda e, op: _tasks.broadcast(e, op, x, root, None))
+
+    def prepare():
+        x = _tensor(tensor)
+        root = _rank(root_rank, "root_rank", state().size)
+        return lambda e, op: _tasks.broadcast(e, op, x, root, None)
+    return _collective("BROADCAST", name, prepare)
 
 
 def broadcast(tensor, root_rank, name=None):
@@ -185,9 +226,13 @@ def broadcast(tensor, root_rank, name=None):
 
 def broadcast_nonblocking_(tensor, root_rank, name=None):
     name = _op_name(name, "BROADCAST")
-    x = _tensor(tensor)
-    root = _rank(root_rank, "root_rank", state().size)
-    return _submit("BROADCAST", name, lambda e, op: _tasks.broadcast(e, op, x, root, tensor.detach()))
+
+    def prepare():
+        x = _tensor(tensor)
+        _writable(tensor, "broadcast_")
+        root = _rank(root_rank, "root_rank", state().size)
+        return lambda e, op: _tasks.broadcast(e, op, x, root, tensor.detach())
+    return _collective("BROADCAST", name, prepare)
 
 
 def broadcast_(tensor, root_rank, name=None):
@@ -196,10 +241,13 @@ def broadcast_(tensor, root_rank, name=None):
 
 def allgather_nonblocking(tensor, name=None):
     name = _op_name(name, "ALLGATHER")
-    x = _tensor(tensor)
-    if x.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
-    return _submit("ALLGATHER", name, lambda e, op: _tasks.allgather(e, op, x))
+
+    def prepare():
+        x = _tensor(tensor)
+        if x.dim() == 0:
+            raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
+        return lambda e, op: _tasks.allgather(e, op, x)
+    return _collective("ALLGATHER", name, prepare)
 
 
 def allgather(tensor, name=None):

@@ -16,7 +16,7 @@ import torch
 from . import _win_tasks
 from ._runtime import state
 from ._stream import plain
-from .ops import _rank, _weight, _weight_dict
+from .ops import _overlaps, _rank, _weight, _weight_dict
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
 _with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)
@@ -79,6 +79,9 @@ def _create_problem(tensor, name, st):
     if tensor.dtype not in _win_tasks.MPI_TYPES:
         allowed = sorted(str(d).replace("torch.", "") for d in _win_tasks.MPI_TYPES)
         return "TypeError", f"windows support dtypes {allowed}, got {str(tensor.dtype).replace('torch.', '')}"
+    if _overlaps(tensor):
+        return "ValueError", ("the tensor's elements share memory (stride 0, e.g. from expand()), so "
+                              "win_update cannot write into it; pass tensor.clone()")
     return None
 
 
@@ -188,6 +191,10 @@ def win_free(name=None):
         problem = ("ValueError", f"no window named {name!r} (existing windows: {sorted(st.windows)})")
     else:
         names = [name]
+    locked = [n for n in names if n in st.windows and st.windows[n].mutex_blocks]
+    if problem is None and locked:
+        problem = ("ValueError", f"window {locked[0]!r} is freed inside this agent's win_mutex block "
+                                 "on it; free it after the block")
     wins = [st.windows[n] for n in names if n in st.windows] if problem is None else []
     _wait_idle(eng, wins)
     h = eng.submit("win_free", "WIN_FREE", lambda eng, op: _win_tasks.free(eng, op, wins, names, problem))
@@ -312,9 +319,11 @@ def win_mutex(name, for_self=False, ranks=None):
             targets.append(st.rank)
     targets = sorted(set(targets))
     win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets), True))
+    win.mutex_blocks += 1
     try:
         yield
     finally:
+        win.mutex_blocks -= 1
         win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets),
                          True))
 

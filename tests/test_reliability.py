@@ -192,6 +192,25 @@ def test_broadcast_root_out_of_range_or_differing(cases):
     raised(cases, "range.broadcast_root_differs", "ValueError", "rank 0: root 0", "rank 1: root 1")
 
 
+def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
+    """The agent with bad input raises its own error; the others, which waited for it
+    before, raise one naming it; the next collective works."""
+    for case, bad, exc, words in (
+            ("one_agent.allreduce_dtype", 1, "TypeError", "allreduce supports"),
+            ("one_agent.broadcast_root", 2, "ValueError", "root_rank 4 is out of range"),
+            ("one_agent.allgather_scalar", 3, "ValueError", "at least one dimension"),
+            ("one_agent.allreduce_expanded", 0, "ValueError", "elements share memory")):
+        raised(cases, case, exc, words, ranks=[bad])
+        raised(cases, case, "ValueError", "failed on every agent because of bad input",
+               f"rank {bad}: {exc}: ", words, ranks=[r for r in range(N) if r != bad])
+    assert cases.of("one_agent.next_collective") == {r: "OK" for r in range(N)}
+
+
+def test_in_place_into_an_expanded_tensor(cases):
+    raised(cases, "inplace.expanded.broadcast_", "ValueError", "broadcast_", "elements share memory", "clone()")
+    raised(cases, "inplace.expanded.win_create", "ValueError", "elements share memory", "win_update")
+
+
 def test_dst_weights_key_out_of_range(cases):
     raised(cases, "range.dst_weights_key", "ValueError", "rank in dst_weights 5 is out of range")
     raised(cases, "range.src_ranks_entry", "ValueError", "rank in src_ranks -1 is out of range")
@@ -202,6 +221,13 @@ def test_dst_weights_key_out_of_range(cases):
 def test_set_topology_with_a_graph_of_the_wrong_size_or_not_a_graph(cases):
     raised(cases, "topology.wrong_size", "ValueError", "nodes 0..3", "got 5 nodes")
     raised(cases, "topology.not_a_graph", "TypeError", "networkx.DiGraph", "got list")
+    raised(cases, "topology.is_weighted_not_bool", "TypeError", "is_weighted must be True or False, got 'no'")
+
+
+def test_init_again_with_a_topology_warns_and_keeps_the_topology(cases):
+    for r, outcome in cases.of("topology.init_again").items():
+        assert outcome.startswith("bf.init() called again while initialized"), outcome
+        assert "bf.set_topology" in outcome and outcome.endswith(f" in {sorted([(r - 2) % N, (r - 1) % N])}"), outcome
 
 
 def test_set_topology_while_a_window_exists_is_refused(cases):

@@ -32,7 +32,8 @@ assert bf.allreduce(xi, average=False, name="ar.int").tolist() == [k * size * (s
 # The average of narrow integers near the top of their range: the sum does not fit
 # the dtype, the average does (numpy computes it in int64).
 for dt, top in ((torch.uint8, 250), (torch.int8, -120), (torch.int16, 32000), (torch.int32, 2**31 - 9)):
-    vals = np.array([[top - r, top - 2 * r, top - (r * 3) % 5] for r in range(size)], dtype=np.int64)
+    inward = -1 if top > 0 else 1         # every value stays inside the dtype's range
+    vals = np.array([[top + inward * k for k in (r, 2 * r, (r * 3) % 5)] for r in range(size)], dtype=np.int64)
     xn = torch.from_numpy(vals[rank]).to(dt)
     for fn in (bf.allreduce, bf.allreduce_):
         got = fn(xn.clone(), name=f"ar.narrow.{dt}.{fn.__name__}")

@@ -181,6 +181,19 @@ attempt("range.pair_gossip_self", bf.pair_gossip, X, RANK)
 attempt("range.broadcast_root", bf.broadcast, X, SIZE)
 attempt("range.broadcast_root_negative", bf.broadcast_, X, -1)
 attempt("range.broadcast_root_differs", bf.broadcast, X, RANK % 2, name="root.differs")
+# bad input to a collective on one agent only: that agent raises its own error, the
+# others an error naming it (they waited for it before), and the next collective works
+attempt("one_agent.allreduce_dtype", bf.allreduce,
+        torch.ones(4, dtype=torch.float16 if RANK == 1 else torch.float32), name="one.ar")
+attempt("one_agent.broadcast_root", bf.broadcast, X, SIZE if RANK == 2 else 0, name="one.bc")
+attempt("one_agent.allgather_scalar", lambda: bf.synchronize(bf.allgather_nonblocking(
+    torch.ones(()) if RANK == 3 else torch.ones(1), name="one.ag")))
+attempt("one_agent.allreduce_expanded", bf.allreduce_,
+        torch.ones(1).expand(4) if RANK == 0 else torch.ones(4), name="one.ar_")
+check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(data(RANK)), name="one.next"),
+                                                np.mean([data(r) for r in range(SIZE)], axis=0)))
+attempt("inplace.expanded.broadcast_", bf.broadcast_, torch.ones(1).expand(4), 0)
+attempt("inplace.expanded.win_create", bf.win_create, torch.ones(1, 3).expand(2, 3), "expanded")
 attempt("range.dst_weights_key", bf.neighbor_allreduce, X, self_weight=0.5, src_weights={},
         dst_weights={SIZE + 1: 0.5})
 attempt("range.src_ranks_entry", bf.neighbor_allgather, X, src_ranks=[-1], dst_ranks=OUT)
@@ -190,6 +203,11 @@ attempt("range.src_ranks_entry", bf.neighbor_allgather, X, src_ranks=[-1], dst_r
 
 attempt("topology.wrong_size", bf.set_topology, topo.RingGraph(SIZE + 1))
 attempt("topology.not_a_graph", bf.set_topology, [[0, 1], [1, 0]])
+attempt("topology.is_weighted_not_bool", bf.set_topology, topo.RingGraph(SIZE), is_weighted="no")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    bf.init(topology_fn=topo.RingGraph)
+report("topology.init_again", " | ".join(str(w.message) for w in caught) + f" in {bf.in_neighbor_ranks()}")
 bf.win_create(torch.zeros(2), "frozen")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

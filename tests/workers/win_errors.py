@@ -43,6 +43,25 @@ raises(ValueError, "no window named 'nope'", bf.win_free, "nope" if rank == 0 el
 assert bf.get_current_created_window_names() == ["e"]
 raises(ValueError, "no window named 'nope'", bf.win_free, "nope")
 
+
+def free_inside_own_mutex():
+    with bf.win_mutex("e", for_self=True):
+        bf.win_free("e")
+
+
+def free_inside_mutex_on_one_agent():
+    if rank == 0:
+        with bf.win_mutex("e", for_self=True):
+            bf.win_free("e")
+    else:
+        bf.win_free("e")
+
+
+raises(ValueError, "rank 0: window 'e' is freed inside this agent's win_mutex block", free_inside_own_mutex)
+raises(ValueError, "rank 0: window 'e' is freed inside this agent's win_mutex block",
+       free_inside_mutex_on_one_agent)
+assert bf.get_current_created_window_names() == ["e"]
+
 # -- unknown window name in every op -------------------------------------------------------------
 for fn, args in ((bf.win_put, (x, "nope")), (bf.win_accumulate, (x, "nope")), (bf.win_get, ("nope",)),
                  (bf.win_update, ("nope",)), (bf.win_update_then_collect, ("nope",)),
