@@ -56,9 +56,16 @@ def _describe(t):
 def _check_same(op, x, entries, what="shape and dtype"):
     mine = _meta(x)
     for e in entries:
+        if e.gathered:
+            _raise_other_kind(op, e, "NEIGHBOR_ALLGATHER")
         if not e.is_tensor or e.meta != mine:
             raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
                              f"has {_describe(x)}; neighbors must pass tensors of the same {what}")
+
+
+def _raise_other_kind(op, e, other):
+    raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent its tensor for this name with {other}; "
+                     "neighbors must call the same operation for a name")
 
 
 def _convex(self_weight, terms):
@@ -425,7 +432,7 @@ def _joined(entries, names, dtype, shapes, stats):
             pieces.append(slab.region(first, j - i))
             i = j
         else:
-            if not e.is_tensor or e.meta != (dtype, shapes[i]):
+            if not e.is_tensor or e.meta != (dtype, shapes[i]) or e.gathered:
                 return None
             pieces.append(e.value.reshape(-1))
             i += 1
@@ -455,11 +462,16 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     if check:
         yield from _topology_check(eng, op, send_to, recv_from)
     with _phase(name, "COMMUNICATE"):
-        _send_all(eng, op, name, x, [(d, None) for d in send_to])
+        out = Outgoing(x, gathered=True)
+        for dst in send_to:
+            eng.send_tensor(op, dst, name, out)
+        _mark_sends(name, send_to)
         entries = yield Recv([(src, name) for src in recv_from])
     try:
         trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
         for e in entries:
+            if e.is_tensor and not e.gathered:
+                _raise_other_kind(op, e, "another operation (not NEIGHBOR_ALLGATHER)")
             if not e.is_tensor or (e.meta[0], tuple(e.meta[1][1:])) != trail or not e.meta[1]:
                 raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
                                  f"has {_describe(x)}; tensors must agree on dtype and all "

@@ -133,6 +133,18 @@ def test_neighbor_allgather_dtype_or_trailing_shape_differing(cases):
     assert "rank 3 sent float32[2, 4]" in got[1]
 
 
+def test_neighbor_allgather_and_neighbor_allreduce_under_one_name(cases):
+    """Agent 1 runs neighbor_allgather where the others run neighbor_allreduce: every
+    agent that receives from the other kind raises (the data used to be combined)."""
+    for n in (4, 300_000):
+        got = raised(cases, f"mismatch.kind.{n}", "ValueError", "neighbors must call the same operation")
+        assert f"NEIGHBOR_ALLGATHER 'mm.kind.{n}': rank 0 sent its tensor for this name with another " \
+               "operation (not NEIGHBOR_ALLGATHER)" in got[1], got[1]
+        for r in (0, 2, 3):
+            assert f"NEIGHBOR_ALLREDUCE 'mm.kind.{n}': rank 1 sent its tensor for this name with " \
+                   "NEIGHBOR_ALLGATHER" in got[r], got[r]
+
+
 def test_allreduce_shape_or_dtype_differing_lists_every_agent(cases):
     raised(cases, "mismatch.allreduce.shape", "ValueError", "agents passed different tensors",
            "rank 0: float32[3], rank 1: float32[2]")

@@ -134,6 +134,9 @@ attempt("mismatch.neighbor_allgather.dtype", bf.neighbor_allgather,
         torch.ones(2, 3, dtype=torch.int32 if RANK == 2 else torch.float32), name="mm.nag.dtype")
 attempt("mismatch.neighbor_allgather.shape", bf.neighbor_allgather,
         torch.ones(2, 4 if RANK == 3 else 3), name="mm.nag.shape")
+for n in (4, 300_000):        # inline and large messages
+    attempt(f"mismatch.kind.{n}", bf.neighbor_allgather if RANK == 1 else bf.neighbor_allreduce,
+            torch.ones(n), name=f"mm.kind.{n}")
 attempt("mismatch.allreduce.shape", bf.allreduce, torch.ones(3 if RANK == 0 else 2), name="mm.ar.shape")
 attempt("mismatch.allreduce.dtype", bf.allreduce,
         torch.ones(2, dtype=torch.int64 if RANK == 3 else torch.float32), name="mm.ar.dtype")
