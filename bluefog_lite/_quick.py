@@ -90,7 +90,7 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
         if entries is not None:
             s.stats["quick"] += 1
             for e in entries:
-                if e.array is None or e.meta != meta or e.gathered:    # the slow path's message
+                if e.array is None or e.meta != meta or e.sent_by is not None:   # slow path: its message
                     return _tasks.average_of(_Call(name), x, out, self_weight, src_weights, entries)
             return _average(out, xa, self_weight, src_weights, entries)
         s.stats["quick_continued"] += 1

@@ -27,9 +27,12 @@ _DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20)
 _ALIGN = 64
 _HEAD = struct.Struct("<Q")
 
-# _KIND_GATHERED: a tensor sent by neighbor_allgather, so that a neighbor that runs
-# another operation under the same name can tell (and fail instead of mixing them up)
-_KIND_TENSOR, _KIND_OBJECT, _KIND_GROUP, _KIND_GATHERED = 0, 1, 2, 3
+_KIND_TENSOR, _KIND_OBJECT, _KIND_GROUP = 0, 1, 2
+# The tensors of these operations carry the operation's kind as their header kind
+# (neighbor_allreduce's, the bulk of the traffic, are plain _KIND_TENSOR): a neighbor
+# running another operation under the same name can tell, and fail instead of
+# combining them.
+MARKED_KINDS = ("NEIGHBOR_ALLGATHER", "PAIR_GOSSIP")
 _ANY_SOURCE = MPI.ANY_SOURCE
 _BYTE = MPI.BYTE
 
@@ -123,10 +126,10 @@ class Outgoing:
     (dtype, shape) or (dtype, members), bytes and size."""
     __slots__ = ("kind", "meta", "raw", "nbytes", "tensor")
 
-    def __init__(self, t, members=None, gathered=False):
+    def __init__(self, t, members=None, sent_by=None):
         name = dtype_name(t.dtype)
         if members is None:
-            self.kind = _KIND_GATHERED if gathered else _KIND_TENSOR
+            self.kind = _KIND_TENSOR if sent_by is None else sent_by    # (see MARKED_KINDS)
             self.meta = (name, tuple(t.shape))
         else:
             self.kind, self.meta = _KIND_GROUP, (name, members)
@@ -141,11 +144,11 @@ class Entry:
     A small tensor with a numpy dtype arrives as ``array``, a numpy view into the
     packet, and becomes a tensor when ``value`` is first read (_quick.py computes
     with the array and never makes one)."""
-    __slots__ = ("src", "key", "meta", "is_tensor", "gathered", "array", "_value", "ready", "_release")
+    __slots__ = ("src", "key", "meta", "is_tensor", "sent_by", "array", "_value", "ready", "_release")
 
-    def __init__(self, src, key, meta, is_tensor, gathered=False):
+    def __init__(self, src, key, meta, is_tensor, sent_by=None):
         self.src, self.key, self.meta, self.is_tensor = src, key, meta, is_tensor
-        self.gathered = gathered       # sent by neighbor_allgather
+        self.sent_by = sent_by         # the sender's operation, if one of MARKED_KINDS
         self.array = self._value = None
         self.ready, self._release = False, None
 
@@ -208,7 +211,7 @@ class Member:
     """One operation's part of a Slab; behaves as an Entry."""
     __slots__ = ("slab", "index", "released")
     is_tensor = True
-    gathered = False   # fused groups are neighbor_allreduce's
+    sent_by = None     # fused groups are neighbor_allreduce's
     array = None       # (see Entry) its value is always a tensor, a view of the slab
 
     def __init__(self, slab, index):
@@ -339,7 +342,7 @@ class StreamEndpoint:
         """The packet header of these entries (_header, joined). A loop sends the same
         entries again and again, so the headers of tensors (not of objects or fused
         groups, whose meta is not hashable or seldom repeats) are made once."""
-        if any(e[1] != _KIND_TENSOR and e[1] != _KIND_GATHERED for e in entries):
+        if any(e[1] == _KIND_OBJECT or e[1] == _KIND_GROUP for e in entries):
             return b"".join(_header(entries))
         key = tuple(entries)
         head = self._packed_headers.get(key)
@@ -404,8 +407,8 @@ class StreamEndpoint:
             if kind == _KIND_GROUP:
                 self._unpack_group(src, meta, loc, packet, start)
                 continue
-            entry = Entry(src, key, meta, kind == _KIND_TENSOR or kind == _KIND_GATHERED,
-                          kind == _KIND_GATHERED)
+            marked = kind.__class__ is str
+            entry = Entry(src, key, meta, kind == _KIND_TENSOR or marked, kind if marked else None)
             if kind == _KIND_OBJECT:
                 entry.value, entry.ready = meta, True
                 self.arrived.append((src, key))

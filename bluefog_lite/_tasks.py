@@ -9,7 +9,7 @@ import torch
 
 from ._engine import Recv, Requests, Turn
 from ._mpi import MPI
-from ._stream import Member, Outgoing, dtype_name, tensor_bytes
+from ._stream import MARKED_KINDS, Member, Outgoing, dtype_name, tensor_bytes
 from .timeline import _recorder as tl
 
 
@@ -55,15 +55,18 @@ def _describe(t):
 
 def _check_same(op, x, entries, what="shape and dtype"):
     mine = _meta(x)
+    expected = op.kind if op.kind in MARKED_KINDS else None
     for e in entries:
-        if e.gathered:
-            _raise_other_kind(op, e, "NEIGHBOR_ALLGATHER")
+        if e.sent_by != expected and e.is_tensor:
+            _raise_other_kind(op, e)
         if not e.is_tensor or e.meta != mine:
             raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
                              f"has {_describe(x)}; neighbors must pass tensors of the same {what}")
 
 
-def _raise_other_kind(op, e, other):
+def _raise_other_kind(op, e):
+    """e was sent by another kind of operation than op (see _stream.MARKED_KINDS)."""
+    other = e.sent_by or "NEIGHBOR_ALLREDUCE"
     raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent its tensor for this name with {other}; "
                      "neighbors must call the same operation for a name")
 
@@ -432,7 +435,7 @@ def _joined(entries, names, dtype, shapes, stats):
             pieces.append(slab.region(first, j - i))
             i = j
         else:
-            if not e.is_tensor or e.meta != (dtype, shapes[i]) or e.gathered:
+            if not e.is_tensor or e.meta != (dtype, shapes[i]) or e.sent_by is not None:
                 return None
             pieces.append(e.value.reshape(-1))
             i += 1
@@ -462,7 +465,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     if check:
         yield from _topology_check(eng, op, send_to, recv_from)
     with _phase(name, "COMMUNICATE"):
-        out = Outgoing(x, gathered=True)
+        out = Outgoing(x, sent_by=op.kind)
         for dst in send_to:
             eng.send_tensor(op, dst, name, out)
         _mark_sends(name, send_to)
@@ -470,8 +473,8 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     try:
         trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
         for e in entries:
-            if e.is_tensor and not e.gathered:
-                _raise_other_kind(op, e, "another operation (not NEIGHBOR_ALLGATHER)")
+            if e.is_tensor and e.sent_by != op.kind:
+                _raise_other_kind(op, e)
             if not e.is_tensor or (e.meta[0], tuple(e.meta[1][1:])) != trail or not e.meta[1]:
                 raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
                                  f"has {_describe(x)}; tensors must agree on dtype and all "
@@ -489,7 +492,7 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
     with _phase(name, "ALLOCATE_OUTPUT"):
         out = torch.empty_like(x)
     with _phase(name, "COMMUNICATE"):
-        eng.send_tensor(op, target, name, Outgoing(x))
+        eng.send_tensor(op, target, name, Outgoing(x, sent_by=op.kind))
         _mark_sends(name, [target])
         entries = yield Recv([(target, name)])
     try:

@@ -138,11 +138,22 @@ def test_neighbor_allgather_and_neighbor_allreduce_under_one_name(cases):
     agent that receives from the other kind raises (the data used to be combined)."""
     for n in (4, 300_000):
         got = raised(cases, f"mismatch.kind.{n}", "ValueError", "neighbors must call the same operation")
-        assert f"NEIGHBOR_ALLGATHER 'mm.kind.{n}': rank 0 sent its tensor for this name with another " \
-               "operation (not NEIGHBOR_ALLGATHER)" in got[1], got[1]
+        assert f"NEIGHBOR_ALLGATHER 'mm.kind.{n}': rank 0 sent its tensor for this name with " \
+               "NEIGHBOR_ALLREDUCE" in got[1], got[1]
         for r in (0, 2, 3):
             assert f"NEIGHBOR_ALLREDUCE 'mm.kind.{n}': rank 1 sent its tensor for this name with " \
                    "NEIGHBOR_ALLGATHER" in got[r], got[r]
+
+
+def test_pair_gossip_and_neighbor_allreduce_under_one_name(cases):
+    """Agent 0 gossips with agent 1, which runs neighbor_allreduce with agent 0 under the
+    same name: both raise, naming the other's operation; agents 2 and 3 gossip fine."""
+    got = cases.of("mismatch.kind.pair_gossip")
+    assert got[0].startswith("ValueError: PAIR_GOSSIP 'mm.kind.pg': rank 1 sent its tensor for this name "
+                             "with NEIGHBOR_ALLREDUCE"), got[0]
+    assert got[1].startswith("ValueError: NEIGHBOR_ALLREDUCE 'mm.kind.pg': rank 0 sent its tensor for this "
+                             "name with PAIR_GOSSIP"), got[1]
+    assert got[2] == got[3] == "NONE", got
 
 
 def test_allreduce_shape_or_dtype_differing_lists_every_agent(cases):

@@ -137,6 +137,12 @@ attempt("mismatch.neighbor_allgather.shape", bf.neighbor_allgather,
 for n in (4, 300_000):        # inline and large messages
     attempt(f"mismatch.kind.{n}", bf.neighbor_allgather if RANK == 1 else bf.neighbor_allreduce,
             torch.ones(n), name=f"mm.kind.{n}")
+# agent 0 gossips with 1, which runs a one-peer neighbor_allreduce with 0; 2 and 3 gossip
+if RANK == 1:
+    attempt("mismatch.kind.pair_gossip", bf.neighbor_allreduce, torch.ones(4), self_weight=0.5,
+            src_weights={0: 0.5}, dst_weights=[0], enable_topo_check=False, name="mm.kind.pg")
+else:
+    attempt("mismatch.kind.pair_gossip", bf.pair_gossip, torch.ones(4), RANK ^ 1, name="mm.kind.pg")
 attempt("mismatch.allreduce.shape", bf.allreduce, torch.ones(3 if RANK == 0 else 2), name="mm.ar.shape")
 attempt("mismatch.allreduce.dtype", bf.allreduce,
         torch.ones(2, dtype=torch.int64 if RANK == 3 else torch.float32), name="mm.ar.dtype")
