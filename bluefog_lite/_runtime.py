@@ -298,12 +298,15 @@ def set_topology(topology=None, is_weighted=False):
     """Replace the static topology (collective). Returns False, with a warning,
     while windows exist or operations are in flight on any agent."""
     st = state()
-    _check_is_weighted(is_weighted)
-    G = (_topo.ExponentialGraph(st.size) if topology is None
-         else _validate_graph(topology, st.size, "topology", is_weighted))
     busy = bool(st.windows) or st.engine.has_pending()
-    from .ops import _allgather_object
-    views = _allgather_object((busy, _fingerprint(G)), name="set_topology")
+
+    def validated():
+        _check_is_weighted(is_weighted)
+        G = (_topo.ExponentialGraph(st.size) if topology is None
+             else _validate_graph(topology, st.size, "topology", is_weighted))
+        return G, (busy, _fingerprint(G))
+    from .ops import _negotiate
+    G, views = _negotiate("set_topology", validated)
     if any(b for b, _ in views):
         warnings.warn("set_topology refused: windows exist or operations are in flight "
                       "(free windows with win_free() and synchronize handles first)")
@@ -333,10 +336,13 @@ def out_neighbor_ranks():
 def set_machine_topology(topology, is_weighted=False):
     """Topology among machines, used by hierarchical_neighbor_allreduce (collective)."""
     st = state()
-    _check_is_weighted(is_weighted)
-    G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted)
-    from .ops import _allgather_object
-    views = _allgather_object(_fingerprint(G), name="set_machine_topology")
+
+    def validated():
+        _check_is_weighted(is_weighted)
+        G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted)
+        return G, _fingerprint(G)
+    from .ops import _negotiate
+    G, views = _negotiate("set_machine_topology", validated)
     if any(fp != views[0] for fp in views):
         raise ValueError("set_machine_topology: agents passed different graphs")
     _install_machine_topology(G, is_weighted)

@@ -254,6 +254,22 @@ def allgather(tensor, name=None):
     return _blocking(allgather_nonblocking, tensor, name)
 
 
+def _negotiate(name, validated):
+    """validated() -> (value, obj): this agent's value, and every agent's obj (in rank
+    order) exchanged under name (collective). If validated() raises TypeError or
+    ValueError, this agent still joins the exchange (see _collective), so that every
+    agent raises instead of the others waiting for it."""
+    name = _op_name(name, "ALLGATHER")
+    found = []
+
+    def prepare():
+        value, obj = validated()
+        found.append(value)
+        return lambda e, op: _tasks.allgather_object(e, op, obj)
+    views = _blocking(_collective, "ALLGATHER", name, prepare)
+    return found[0], views
+
+
 def _allgather_object(obj, name=None):
     """Every agent's obj, in rank order (collective; used for negotiation)."""
     name = _op_name(name, "ALLGATHER")
@@ -432,8 +448,11 @@ def InferSourceFromDestinationRanks(dst_ranks, construct_adjacency_matrix=False)
     """Collective: from every agent's destinations, the sources of this agent
     (sorted). With construct_adjacency_matrix, also W with W[i, j] = 1 when i sends to j."""
     st = state()
-    dsts = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
-    views = _allgather_object(dsts, name=None)
+
+    def validated():
+        dsts = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
+        return dsts, dsts
+    _, views = _negotiate(None, validated)
     srcs = sorted(r for r, ds in enumerate(views) if st.rank in ds)
     return (srcs, _adjacency(views, st.size, True)) if construct_adjacency_matrix else srcs
 
@@ -442,8 +461,11 @@ def InferDestinationFromSourceRanks(src_ranks, construct_adjacency_matrix=False)
     """Collective: from every agent's sources, the destinations of this agent
     (sorted). With construct_adjacency_matrix, also W with W[i, j] = 1 when i sends to j."""
     st = state()
-    srcs = _rank_list(src_ranks, "src_ranks", st.size, st.rank)
-    views = _allgather_object(srcs, name=None)
+
+    def validated():
+        srcs = _rank_list(src_ranks, "src_ranks", st.size, st.rank)
+        return srcs, srcs
+    _, views = _negotiate(None, validated)
     dsts = sorted(r for r, ss in enumerate(views) if st.rank in ss)
     return (dsts, _adjacency(views, st.size, False)) if construct_adjacency_matrix else dsts
 

@@ -247,6 +247,17 @@ def test_set_topology_with_a_graph_of_the_wrong_size_or_not_a_graph(cases):
     raised(cases, "topology.is_weighted_not_bool", "TypeError", "is_weighted must be True or False, got 'no'")
 
 
+def test_bad_topology_input_on_one_agent_fails_on_every_agent(cases):
+    """set_topology / InferSourceFromDestinationRanks with bad input on one agent: it
+    raises its own error, the others one naming it (they waited for it before)."""
+    for case, bad, words in (("one_agent.set_topology", 2, "topology must have nodes 0..3"),
+                             ("one_agent.infer_sources", 3, "rank in dst_ranks 4 is out of range")):
+        raised(cases, case, "ValueError", words, ranks=[bad])
+        raised(cases, case, "ValueError", "failed on every agent because of bad input",
+               f"rank {bad}: ValueError: ", words, ranks=[r for r in range(N) if r != bad])
+    assert cases.of("one_agent.after_topology") == {r: "OK" for r in range(N)}
+
+
 def test_init_again_with_a_topology_warns_and_keeps_the_topology(cases):
     for r, outcome in cases.of("topology.init_again").items():
         assert outcome.startswith("bf.init() called again while initialized"), outcome

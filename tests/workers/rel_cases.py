@@ -212,6 +212,10 @@ attempt("range.src_ranks_entry", bf.neighbor_allgather, X, src_ranks=[-1], dst_r
 
 attempt("topology.wrong_size", bf.set_topology, topo.RingGraph(SIZE + 1))
 attempt("topology.not_a_graph", bf.set_topology, [[0, 1], [1, 0]])
+attempt("one_agent.set_topology", bf.set_topology, topo.RingGraph(SIZE + (RANK == 2)))
+attempt("one_agent.infer_sources", bf.InferSourceFromDestinationRanks, [SIZE] if RANK == 3 else [(RANK + 1) % SIZE])
+check("one_agent.after_topology", lambda: None if bf.InferSourceFromDestinationRanks([(RANK + 1) % SIZE])
+      == [(RANK - 1) % SIZE] else "wrong sources")
 attempt("topology.is_weighted_not_bool", bf.set_topology, topo.RingGraph(SIZE), is_weighted="no")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
