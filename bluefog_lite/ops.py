@@ -52,22 +52,26 @@ def _weight(w, what):
     return w
 
 
-def _rank(r, what, size, me=None):
+def _rank(r, what, size, me=None, unit="agent"):
+    """r as an int rank among size agents (unit "machine": machine ranks among size machines)."""
     if isinstance(r, bool) or not isinstance(r, numbers.Integral):
         raise TypeError(f"{what} must be an integer rank, got {r!r}")
     r = int(r)
+    ranks = "ranks" if unit == "agent" else f"{unit} ranks"
     if not 0 <= r < size:
-        raise ValueError(f"{what} {r} is out of range: there are {size} agents (ranks 0..{size - 1})")
+        raise ValueError(f"{what} {r} is out of range: there are {size} {unit}s ({ranks} 0..{size - 1})")
     if me is not None and r == me:
-        raise ValueError(f"{what} {r} is this agent itself; self is weighted with self_weight")
+        itself = "this agent itself" if unit == "agent" else f"this agent's own {unit}"
+        raise ValueError(f"{what} {r} is {itself}; self is weighted with self_weight")
     return r
 
 
-def _weight_dict(d, what, size, me):
+def _weight_dict(d, what, size, me, unit="agent"):
+    rank_in = f"rank in {what}" if unit == "agent" else f"{unit} rank in {what}"
     if isinstance(d, dict):
-        return {_rank(r, f"rank in {what}", size, me): _weight(w, f"{what}[{r}]") for r, w in d.items()}
+        return {_rank(r, rank_in, size, me, unit): _weight(w, f"{what}[{r}]") for r, w in d.items()}
     if isinstance(d, (list, tuple, set, range)):
-        ranks = [_rank(r, f"rank in {what}", size, me) for r in d]
+        ranks = [_rank(r, rank_in, size, me, unit) for r in d]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"{what} lists a rank twice: {sorted(ranks)}")
         return {r: 1.0 for r in ranks}
@@ -283,29 +287,33 @@ def barrier():
 
 # ---- neighbor operations -----------------------------------------------------------
 
-def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind):
+def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, unit="agent"):
+    src = "src_weights" if unit == "agent" else f"src_{unit}_weights"
     if (self_weight is None) != (src_weights is None):
-        raise ValueError(f"{kind}: self_weight and src_weights must be given together (or neither)")
+        raise ValueError(f"{kind}: self_weight and {src} must be given together (or neither)")
     if self_weight is None:
         return topo.self_weight, dict(topo.src_weights)
-    return _weight(self_weight, "self_weight"), _weight_dict(src_weights, "src_weights", size, me)
+    return _weight(self_weight, "self_weight"), _weight_dict(src_weights, src, size, me, unit)
 
 
-def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind):
-    """(self_weight, src_weights, send_plan, recv_from, dynamic) for a neighbor op."""
+def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit="agent"):
+    """(self_weight, src_weights, send_plan, recv_from, dynamic) for a neighbor op
+    (unit "machine": among machines, with the argument names of hierarchical ops)."""
     if self_weight is None and src_weights is None and dst_weights is None:
         return topo.default_plan
-    sw, srcw = _static_or_given_weights(self_weight, src_weights, topo, size, me, kind)
+    sw, srcw = _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, unit)
+    src, dst = ("src_weights", "dst_weights") if unit == "agent" else (f"src_{unit}_weights", f"dst_{unit}_weights")
     if dst_weights is None:
         stray = sorted(set(srcw) - set(topo.in_ranks))
         if stray:
-            raise ValueError(f"{kind}: src_weights names ranks {stray} that are not in-neighbors "
-                             f"{topo.in_ranks} of this agent in the static topology; pass dst_weights "
+            ranks = "ranks" if unit == "agent" else f"{unit} ranks"
+            raise ValueError(f"{kind}: {src} names {ranks} {stray} that are not in-neighbors "
+                             f"{topo.in_ranks} of this {unit} in the static topology; pass {dst} "
                              "for a dynamic topology")
         return sw, srcw, [(d, None) for d in topo.out_ranks], list(topo.in_ranks), False
     if self_weight is None:
-        raise ValueError(f"{kind}: dynamic mode (dst_weights given) needs self_weight and src_weights too")
-    dstw = _weight_dict(dst_weights, "dst_weights", size, me)
+        raise ValueError(f"{kind}: dynamic mode ({dst} given) needs self_weight and {src} too")
+    dstw = _weight_dict(dst_weights, dst, size, me, unit)
     plan = [(d, None if w == 1.0 else w) for d, w in sorted(dstw.items())]
     return sw, srcw, plan, sorted(srcw), True
 
@@ -395,7 +403,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
         raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
     sw, srcw, plan, recv_from, dynamic = _plan(
         self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
-        st.machine_rank, "hierarchical_neighbor_allreduce")
+        st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
     plan = [(to_rank(m), w) for m, w in plan]
     srcw = {to_rank(m): w for m, w in srcw.items()}

@@ -237,6 +237,9 @@ def test_in_place_into_an_expanded_tensor(cases):
 def test_dst_weights_key_out_of_range(cases):
     raised(cases, "range.dst_weights_key", "ValueError", "rank in dst_weights 5 is out of range")
     raised(cases, "range.src_ranks_entry", "ValueError", "rank in src_ranks -1 is out of range")
+    raised(cases, "range.machine_weights", "ValueError", "machine rank in src_machine_weights 1 is out of range",
+           "there are 1 machines (machine ranks 0..0)")
+    raised(cases, "range.machine_weights_half", "ValueError", "self_weight and src_machine_weights must be given")
 
 
 # ---- topology ------------------------------------------------------------------------------------

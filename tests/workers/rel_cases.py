@@ -206,6 +206,9 @@ attempt("inplace.expanded.win_create", bf.win_create, torch.ones(1, 3).expand(2,
 attempt("range.dst_weights_key", bf.neighbor_allreduce, X, self_weight=0.5, src_weights={},
         dst_weights={SIZE + 1: 0.5})
 attempt("range.src_ranks_entry", bf.neighbor_allgather, X, src_ranks=[-1], dst_ranks=OUT)
+attempt("range.machine_weights", bf.hierarchical_neighbor_allreduce, X, self_weight=0.5,
+        src_machine_weights={1: 0.5}, dst_machine_weights=[1])     # one machine here
+attempt("range.machine_weights_half", bf.hierarchical_neighbor_allreduce, X, self_weight=0.5)
 
 
 # ---- topology -----------------------------------------------------------------------------
