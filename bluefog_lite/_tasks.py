@@ -151,8 +151,8 @@ def exchange_headers(eng, op, payload):
 
 
 class BadInput:
-    """What an agent whose arguments to a collective were rejected (it raised to its
-    caller) contributes to the negotiation, so that the others raise too."""
+    """What an agent that cannot take part (its arguments to a collective were
+    rejected; its machine has no sum) sends instead, so that the others raise too."""
     __slots__ = ("text",)
 
     def __init__(self, text):
@@ -539,9 +539,6 @@ def local_allreduce(eng, op, x, local_ranks, average):
     return _cast_back(total, x)
 
 
-_NO_MACHINE_SUM = "bluefog_lite: no machine sum"
-
-
 def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_weights,
                                     send_plan, recv_from, check):
     """Sum within the machine, exchange the machine sums with the same local rank
@@ -555,7 +552,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         # No sum for this machine: the agents waiting for it fail too (instead of
         # waiting forever), and what they send this agent must not feed a later call.
         for dst, _ in send_plan:
-            eng.send_object(dst, key, (_NO_MACHINE_SUM, str(err)))
+            eng.send_object(dst, key, BadInput(str(err)))
         eng.forget_inputs([(src, key) for src in recv_from])
         raise
     with _phase(op.name, "COMMUNICATE"):
@@ -563,9 +560,9 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         remote = yield Recv([(src, key) for src in recv_from])
     try:
         for e in remote:
-            if not e.is_tensor and isinstance(e.value, tuple) and e.value[:1] == (_NO_MACHINE_SUM,):
+            if not e.is_tensor and isinstance(e.value, BadInput):
                 raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} has no machine sum to send, "
-                                 f"because on its machine: {e.value[1]}")
+                                 f"because on its machine: {e.value.text}")
         _check_same(op, machine_sum, remote)
         with _phase(op.name, "COMPUTE_AVERAGE"):
             acc = torch.empty_like(machine_sum)

@@ -52,22 +52,27 @@ def _weight(w, what):
     return w
 
 
+# How argument errors name ranks, weights and self: among agents, or among machines
+# (hierarchical ops): (a rank, the source and destination weights' names, self).
+_UNITS = {"agent": ("rank", "src_weights", "dst_weights", "this agent itself"),
+          "machine": ("machine rank", "src_machine_weights", "dst_machine_weights", "this agent's own machine")}
+
+
 def _rank(r, what, size, me=None, unit="agent"):
     """r as an int rank among size agents (unit "machine": machine ranks among size machines)."""
     if isinstance(r, bool) or not isinstance(r, numbers.Integral):
         raise TypeError(f"{what} must be an integer rank, got {r!r}")
     r = int(r)
-    ranks = "ranks" if unit == "agent" else f"{unit} ranks"
+    rank, _, _, itself = _UNITS[unit]
     if not 0 <= r < size:
-        raise ValueError(f"{what} {r} is out of range: there are {size} {unit}s ({ranks} 0..{size - 1})")
+        raise ValueError(f"{what} {r} is out of range: there are {size} {unit}s ({rank}s 0..{size - 1})")
     if me is not None and r == me:
-        itself = "this agent itself" if unit == "agent" else f"this agent's own {unit}"
         raise ValueError(f"{what} {r} is {itself}; self is weighted with self_weight")
     return r
 
 
 def _weight_dict(d, what, size, me, unit="agent"):
-    rank_in = f"rank in {what}" if unit == "agent" else f"{unit} rank in {what}"
+    rank_in = f"{_UNITS[unit][0]} in {what}"
     if isinstance(d, dict):
         return {_rank(r, rank_in, size, me, unit): _weight(w, f"{what}[{r}]") for r, w in d.items()}
     if isinstance(d, (list, tuple, set, range)):
@@ -276,8 +281,7 @@ def _negotiate(name, validated):
 
 def _allgather_object(obj, name=None):
     """Every agent's obj, in rank order (collective; used for negotiation)."""
-    name = _op_name(name, "ALLGATHER")
-    return _blocking(_submit, "ALLGATHER", name, lambda e, op: _tasks.allgather_object(e, op, obj))
+    return _negotiate(name, lambda: (None, obj))[1]
 
 
 def barrier():
@@ -288,7 +292,7 @@ def barrier():
 # ---- neighbor operations -----------------------------------------------------------
 
 def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, unit="agent"):
-    src = "src_weights" if unit == "agent" else f"src_{unit}_weights"
+    src = _UNITS[unit][1]
     if (self_weight is None) != (src_weights is None):
         raise ValueError(f"{kind}: self_weight and {src} must be given together (or neither)")
     if self_weight is None:
@@ -302,12 +306,11 @@ def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit="age
     if self_weight is None and src_weights is None and dst_weights is None:
         return topo.default_plan
     sw, srcw = _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, unit)
-    src, dst = ("src_weights", "dst_weights") if unit == "agent" else (f"src_{unit}_weights", f"dst_{unit}_weights")
+    rank, src, dst, _ = _UNITS[unit]
     if dst_weights is None:
         stray = sorted(set(srcw) - set(topo.in_ranks))
         if stray:
-            ranks = "ranks" if unit == "agent" else f"{unit} ranks"
-            raise ValueError(f"{kind}: {src} names {ranks} {stray} that are not in-neighbors "
+            raise ValueError(f"{kind}: {src} names {rank}s {stray} that are not in-neighbors "
                              f"{topo.in_ranks} of this {unit} in the static topology; pass {dst} "
                              "for a dynamic topology")
         return sw, srcw, [(d, None) for d in topo.out_ranks], list(topo.in_ranks), False
