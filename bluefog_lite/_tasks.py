@@ -57,11 +57,18 @@ def _check_same(op, x, entries, what="shape and dtype"):
     mine = _meta(x)
     expected = op.kind if op.kind in MARKED_KINDS else None
     for e in entries:
+        _raise_if_refused(op, e)
         if e.sent_by != expected and e.is_tensor:
             _raise_other_kind(op, e)
         if not e.is_tensor or e.meta != mine:
             raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
                              f"has {_describe(x)}; neighbors must pass tensors of the same {what}")
+
+
+def _raise_if_refused(op, e):
+    """e is the note of a neighbor that sends no data for this call (see refused)."""
+    if not e.is_tensor and isinstance(e.value, BadInput):
+        raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} {e.value.text}")
 
 
 def _raise_other_kind(op, e):
@@ -170,6 +177,19 @@ def bad_input(eng, op, exc):
     except ValueError:      # the failure of every agent, this one's included
         pass
     raise exc
+
+
+def refused(eng, op, exc, tell, forget):
+    """The neighbor operation of an agent whose arguments were rejected with exc (see
+    ops._refuse): a note to each (rank, key) of tell, the inputs of forget dropped,
+    then raise exc."""
+    note = BadInput(f"sent nothing for it: the call failed there because of bad input "
+                    f"({type(exc).__name__}: {exc})")
+    for dst, key in tell:
+        eng.send_object(dst, key, note)
+    eng.forget_inputs(forget)
+    raise exc
+    yield    # (a generator)
 
 
 def allgather_object(eng, op, obj):
@@ -473,6 +493,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     try:
         trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
         for e in entries:
+            _raise_if_refused(op, e)
             if e.is_tensor and e.sent_by != op.kind:
                 _raise_other_kind(op, e)
             if not e.is_tensor or (e.meta[0], tuple(e.meta[1][1:])) != trail or not e.meta[1]:
@@ -551,18 +572,15 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     except ValueError as err:
         # No sum for this machine: the agents waiting for it fail too (instead of
         # waiting forever), and what they send this agent must not feed a later call.
+        note = BadInput(f"has no machine sum to send, because on its machine: {err}")
         for dst, _ in send_plan:
-            eng.send_object(dst, key, BadInput(str(err)))
+            eng.send_object(dst, key, note)
         eng.forget_inputs([(src, key) for src in recv_from])
         raise
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
         remote = yield Recv([(src, key) for src in recv_from])
     try:
-        for e in remote:
-            if not e.is_tensor and isinstance(e.value, BadInput):
-                raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} has no machine sum to send, "
-                                 f"because on its machine: {e.value.text}")
         _check_same(op, machine_sum, remote)
         with _phase(op.name, "COMPUTE_AVERAGE"):
             acc = torch.empty_like(machine_sum)

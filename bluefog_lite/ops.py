@@ -163,6 +163,47 @@ def _collective(kind, name, prepare):
     return _submit(kind, name, make_task)
 
 
+class _Refused(Exception):
+    """neighbor_allreduce's arguments were rejected on this agent: handle is the op
+    that tells the agents waiting for it (see _refuse)."""
+
+    def __init__(self, handle):
+        super().__init__(handle)
+        self.handle = handle
+
+
+def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False):
+    """The handle of the op of an agent whose arguments to a neighbor operation were
+    rejected with exc (TypeError or ValueError). The op raises exc, but first the
+    agents that would wait for this agent learn why and raise too: each (rank, key) of
+    tell gets a note instead of the data; the inputs this agent would have received,
+    forget, are dropped when they come (they must not feed its next call of the name).
+    negotiate: the operation starts with a collective topology check, which this
+    agent joins with its error (then nobody sends data)."""
+    if negotiate:
+        return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, exc))
+    return _submit(kind, name, lambda e, op: _tasks.refused(e, op, exc, list(tell), list(forget)))
+
+
+def _ranks_named(ranks, size, me):
+    """The possible peers that ranks (a dict's keys or a list) names, read leniently:
+    what an agent whose arguments were rejected can still tell about its peers."""
+    try:
+        items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
+    except TypeError:
+        return []
+    return sorted({int(r) for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
+                   and 0 <= r < size and r != me})
+
+
+def _peers(topo, srcs, dsts, size, me):
+    """(ranks sent to, ranks received from) by a neighbor operation whose arguments may
+    be bad: the static topology's without dsts, else the ranks the arguments name."""
+    if dsts is None and srcs is None:
+        return topo.out_ranks, topo.in_ranks
+    return _ranks_named(dsts or (), size, me), _ranks_named(srcs or (), size, me)
+
+
 def _overlaps(t):
     """True when elements of t share memory (an expand()ed tensor: stride 0), so
     that a result cannot be written into it."""
@@ -179,9 +220,13 @@ def _writable(t, what):
 
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
-    if is_hierarchical_local:      # not a global collective: nothing to negotiate with all
-        x = _reducible(_tensor(tensor), "ALLREDUCE")
+    if is_hierarchical_local:      # not a global collective: only this machine's agents wait
         st = state()
+        try:
+            x = _reducible(_tensor(tensor), "ALLREDUCE")
+        except (TypeError, ValueError) as exc:
+            peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
+            return _refuse("ALLREDUCE", name, exc, peers, peers)
         return _submit("ALLREDUCE", name, lambda e, op: _tasks.local_allreduce(
             e, op, x, st.local_ranks, average))
 
@@ -329,13 +374,19 @@ def neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_weights=None
     else uniform 1/(in-degree+1)). dst_weights (list or {rank: weight}) selects
     dynamic mode: send to those ranks (scaled by the weight), receive from the
     keys of src_weights."""
-    return _submit_neighbor_allreduce(*_neighbor_allreduce_call(
-        tensor, self_weight, src_weights, dst_weights, enable_topo_check, name))
+    try:
+        call = _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name)
+    except _Refused as refused:
+        return refused.handle
+    return _submit_neighbor_allreduce(*call)
 
 
 def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weights=None,
                        enable_topo_check=True, name=None):
-    call = _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name)
+    try:
+        call = _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name)
+    except _Refused as refused:
+        return synchronize(refused.handle)      # raises this agent's error
     name, x, st, sw, srcw, plan, recv_from, check = call
     if not check:     # a small tensor while the engine idles: see _quick.py
         result = _quick.neighbor_allreduce(st.engine, name, x, sw, srcw, plan, recv_from)
@@ -348,10 +399,17 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
     """The validated arguments: (name, tensor, state, self_weight, src_weights,
     send_plan, recv_from, check)."""
     name = _op_name(name, "NEIGHBOR_ALLREDUCE")
-    x = _numeric(_tensor(tensor), "neighbor_allreduce")
     st = state()
-    sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
-                                               st.size, st.rank, "neighbor_allreduce")
+    try:
+        x = _numeric(_tensor(tensor), "neighbor_allreduce")
+        sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
+                                                   st.size, st.rank, "neighbor_allreduce")
+    except (TypeError, ValueError) as exc:
+        srcs = None if dst_weights is None else src_weights      # static mode: the topology's
+        sends, recvs = _peers(st.topology, srcs, dst_weights, st.size, st.rank)
+        raise _Refused(_refuse(
+            "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
+            negotiate=bool(enable_topo_check) and dst_weights is not None)) from exc
     return name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic
 
 
@@ -371,19 +429,24 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
                                    name=None):
     """Concatenate (dim 0) the tensors of the in-neighbors (or src_ranks), in that order."""
     name = _op_name(name, "NEIGHBOR_ALLGATHER")
-    x = _tensor(tensor)
-    if x.dim() == 0:
-        raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
     st = state()
-    if (src_ranks is None) != (dst_ranks is None):
-        raise ValueError("neighbor_allgather: src_ranks and dst_ranks must be given together (or neither)")
-    if src_ranks is None:
-        send_to, recv_from, dynamic = st.topology.out_ranks, st.topology.in_ranks, False
-    else:
-        send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
-        recv_from = _ordered_ranks(src_ranks, "src_ranks", st.size, st.rank)
-        dynamic = True
+    dynamic = src_ranks is not None or dst_ranks is not None
     check = bool(enable_topo_check) and dynamic
+    try:
+        x = _tensor(tensor)
+        if x.dim() == 0:
+            raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
+        if (src_ranks is None) != (dst_ranks is None):
+            raise ValueError("neighbor_allgather: src_ranks and dst_ranks must be given together (or neither)")
+        if src_ranks is None:
+            send_to, recv_from = st.topology.out_ranks, st.topology.in_ranks
+        else:
+            send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
+            recv_from = _ordered_ranks(src_ranks, "src_ranks", st.size, st.rank)
+    except (TypeError, ValueError) as exc:
+        sends, recvs = _peers(st.topology, src_ranks, dst_ranks, st.size, st.rank)
+        return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
+                       [(r, name) for r in recvs], negotiate=check)
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _tasks.neighbor_allgather(
         e, op, x, list(send_to), list(recv_from), check))
 
@@ -400,14 +463,23 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
     machines (machine topology or the given machine weights), divide by the agents
     per machine."""
     name = _op_name(name, "HIERARCHICAL_NEIGHBOR_ALLREDUCE")
-    x = _numeric(_tensor(tensor), "hierarchical_neighbor_allreduce")
     st = state()
-    if not st.homogeneous:
+    if not st.homogeneous:      # the same on every agent
         raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
-    sw, srcw, plan, recv_from, dynamic = _plan(
-        self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
-        st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
+    try:
+        x = _numeric(_tensor(tensor), "hierarchical_neighbor_allreduce")
+        sw, srcw, plan, recv_from, dynamic = _plan(
+            self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
+            st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
+    except (TypeError, ValueError) as exc:
+        srcs = None if dst_machine_weights is None else src_machine_weights
+        sends, recvs = _peers(st.machine_topology, srcs, dst_machine_weights, st.machine_size, st.machine_rank)
+        local = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
+        return _refuse("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name, exc,
+                       local + [(to_rank(m), (name, "machine")) for m in sends],
+                       local + [(to_rank(m), (name, "machine")) for m in recvs],
+                       negotiate=bool(enable_topo_check) and dst_machine_weights is not None)
     plan = [(to_rank(m), w) for m, w in plan]
     srcw = {to_rank(m): w for m, w in srcw.items()}
     recv_from = [to_rank(m) for m in recv_from]
@@ -428,13 +500,17 @@ def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_wei
 def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=None, name=None):
     """self_weight*x + pair_weight*x_target with one peer (both call it); default ½, ½."""
     name = _op_name(name, "PAIR_GOSSIP")
-    x = _numeric(_tensor(tensor), "pair_gossip")
     st = state()
-    target = _rank(target_rank, "target_rank", st.size, st.rank)
-    if (self_weight is None) != (pair_weight is None):
-        raise ValueError("pair_gossip: self_weight and pair_weight must be given together (or neither)")
-    sw = 0.5 if self_weight is None else _weight(self_weight, "self_weight")
-    pw = 0.5 if pair_weight is None else _weight(pair_weight, "pair_weight")
+    try:
+        x = _numeric(_tensor(tensor), "pair_gossip")
+        target = _rank(target_rank, "target_rank", st.size, st.rank)
+        if (self_weight is None) != (pair_weight is None):
+            raise ValueError("pair_gossip: self_weight and pair_weight must be given together (or neither)")
+        sw = 0.5 if self_weight is None else _weight(self_weight, "self_weight")
+        pw = 0.5 if pair_weight is None else _weight(pair_weight, "pair_weight")
+    except (TypeError, ValueError) as exc:
+        pair = [(r, name) for r in _ranks_named([target_rank], st.size, st.rank)]
+        return _refuse("PAIR_GOSSIP", name, exc, pair, pair)
     return _submit("PAIR_GOSSIP", name, lambda e, op: _tasks.pair_gossip(e, op, x, target, sw, pw))
 
 

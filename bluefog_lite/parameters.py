@@ -10,25 +10,82 @@ def _named(params):
         return sorted(params.items())
     if hasattr(params, "named_parameters"):
         return list(params.named_parameters())
+    if isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        raise TypeError("params must be a state_dict(), named_parameters() or a list of tensors, "
+                        f"got {type(params).__name__}")
     items = list(params)
     if items and not isinstance(items[0], (tuple, list)):
         return [(str(i), p) for i, p in enumerate(items)]
     return items
 
 
+def _describe(t):
+    return f"{str(t[2]).replace('torch.', '')}{list(t[1])}"
+
+
+def _difference(call, views):
+    """None when every agent listed the same (name, shape, dtype), else what differs."""
+    first = dict((n, (n, s, d)) for n, s, d in views[0])
+    for r, view in enumerate(views[1:], 1):
+        if view == views[0]:
+            continue
+        mine = dict((n, (n, s, d)) for n, s, d in view)
+        only_r = [n for n in mine if n not in first]
+        only_0 = [n for n in first if n not in mine]
+        if only_r or only_0:
+            parts = [f"rank {r} has {_names(only_r)} that rank 0 has not"] if only_r else []
+            parts += [f"rank 0 has {_names(only_0)} that rank {r} has not"] if only_0 else []
+            return f"{call}: agents passed different parameters ({'; '.join(parts)})"
+        for n, t in mine.items():
+            if t != first[n]:
+                return (f"{call}: parameter {n!r} is {_describe(first[n])} on rank 0 and "
+                        f"{_describe(t)} on rank {r}; all agents must pass the same shapes and dtypes")
+        return f"{call}: agents passed the parameters in a different order (rank 0 and rank {r})"
+    return None
+
+
+def _names(names, most=4):
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _agreed(call, params, root_rank=None, keep=lambda p: True):
+    """This agent's (name, tensor) pairs of params that keep() accepts, after checking
+    with every agent (collective) that all pass the same names, shapes and dtypes and
+    a valid root_rank. Bad input on one agent raises on every agent, before any tensor
+    is changed."""
+    st = state()
+
+    def validated():
+        if root_rank is not None:
+            ops._rank(root_rank, "root_rank", st.size)
+        items = [(str(n), p) for n, p in _named(params) if isinstance(p, torch.Tensor) and keep(p)]
+        return items, [(n, tuple(p.shape), p.dtype) for n, p in items]
+    items, views = ops._negotiate(f"{call}.check", validated)
+    wrong = _difference(call, views)
+    if wrong is not None:
+        raise ValueError(wrong)
+    return items
+
+
 def broadcast_parameters(params, root_rank):
-    """Overwrite params (a state_dict, named_parameters() or a list) with root_rank's, in place."""
+    """Overwrite params (a state_dict, named_parameters() or a list) with root_rank's, in place.
+    Every agent must pass the same names, shapes and dtypes (checked first: a difference
+    raises on every agent and changes nothing)."""
+    items = _agreed("broadcast_parameters", params, root_rank)
     handles = [ops.broadcast_nonblocking_(p, root_rank, name=f"broadcast.param.{name}")
-               for name, p in _named(params) if isinstance(p, torch.Tensor)]
+               for name, p in items]
     for h in handles:
         ops.synchronize(h)
 
 
 def allreduce_parameters(params):
-    """Replace params by their average over all agents, in place."""
+    """Replace params by their average over all agents, in place (tensors that cannot be
+    averaged, e.g. bool buffers, are left as they are). Checked like broadcast_parameters."""
+    items = _agreed("allreduce_parameters", params,
+                    keep=lambda p: p.is_floating_point() or p.dtype in ops._REDUCIBLE)
     handles = [ops.allreduce_nonblocking_(p, average=True, name=f"allreduce.param.{name}")
-               for name, p in _named(params)
-               if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.dtype in ops._REDUCIBLE)]
+               for name, p in items]
     for h in handles:
         ops.synchronize(h)
 
@@ -36,8 +93,17 @@ def allreduce_parameters(params):
 def broadcast_optimizer_state(optimizer, root_rank):
     """Give every agent root_rank's optimizer state (state and hyper-parameters)."""
     st = state()
-    root = ops._rank(root_rank, "root_rank", st.size)
-    mine = optimizer.state_dict() if st.rank == root else None
-    views = ops._allgather_object(mine, name=f"broadcast.optimizer_state.{type(optimizer).__name__}")
+
+    def validated():
+        root = ops._rank(root_rank, "root_rank", st.size)
+        if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
+            raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
+        kind = type(getattr(optimizer, "optimizer", optimizer)).__name__   # a wrapper's inner one
+        return root, (kind, optimizer.state_dict() if st.rank == root else None)
+    root, views = ops._negotiate("broadcast.optimizer_state", validated)
+    kinds = {r: kind for r, (kind, _) in enumerate(views)}
+    if len(set(kinds.values())) > 1:
+        raise ValueError("broadcast_optimizer_state: agents passed different optimizers ("
+                         + ", ".join(f"rank {r}: {k}" for r, k in kinds.items()) + ")")
     if st.rank != root:
-        optimizer.load_state_dict(views[root])
+        optimizer.load_state_dict(views[root][1])

@@ -229,6 +229,50 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     assert cases.of("one_agent.next_collective") == {r: "OK" for r in range(N)}
 
 
+@pytest.mark.parametrize("case,bad,exc,words,receivers", [
+    # Exp-2 on 4 agents: r receives from r-1 and r-2; the ring: from r-1
+    ("nar_static", 1, "TypeError", "cannot average bool tensors", [2, 3]),
+    ("nar_checked", 2, "ValueError", "rank in src_weights 9 is out of range", [0, 1, 3]),
+    ("nar_unchecked", 3, "ValueError", "self_weight must be finite", [0]),
+    ("nag_static", 0, "ValueError", "at least one dimension", [1, 2]),
+    ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),
+    ("local_allreduce", 2, "TypeError", "allreduce supports", [0, 1, 3]),
+])
+def test_bad_neighbor_arguments_on_one_agent_fail_on_its_receivers(cases, case, bad, exc, words, receivers):
+    """The agent raises its own error; the agents that receive from it raise one naming
+    it and its error (they waited for it before); the others finish; the next call of
+    the name is right on every agent (against numpy: no input of the failed round is
+    left over)."""
+    got = raised(cases, f"one_agent.{case}", exc, words, ranks=[bad])
+    # the topology check is collective: there every agent fails
+    why = "failed on every agent because of bad input" if case == "nar_checked" else \
+        f"rank {bad} sent nothing for it: the call failed there because of bad input"
+    raised(cases, f"one_agent.{case}", "ValueError", why, f"{exc}: ", words, ranks=receivers)
+    for r in set(range(N)) - set(receivers) - {bad}:
+        assert got[r] == "NONE", (case, r, got[r])
+    assert cases.of(f"one_agent.{case}.again") == {r: "OK" for r in range(N)}
+
+
+def test_parameter_helpers_check_every_agents_parameters_first(cases):
+    """A model or optimizer that differs on one agent (or bad arguments there) raises on
+    every agent, naming the difference, and no parameter is changed; afterwards
+    broadcast_parameters / broadcast_optimizer_state work (a wrapper on one agent too)."""
+    raised(cases, "params.extra_layer", "ValueError", "broadcast_parameters: agents passed different parameters",
+           "rank 1 has '2.bias', '2.weight' that rank 0 has not")
+    assert cases.of("params.extra_layer_unchanged") == {r: "OK" for r in range(N)}
+    raised(cases, "params.shape", "ValueError", "allreduce_parameters: parameter 'weight' is float32[2, 3] "
+           "on rank 0 and float32[2, 4] on rank 2")
+    raised(cases, "params.not_params", "TypeError", "params must be a state_dict()", "got Tensor", ranks=[3])
+    raised(cases, "params.not_params", "ValueError", "failed on every agent because of bad input",
+           "rank 3: TypeError: params must be", ranks=[0, 1, 2])
+    raised(cases, "params.optimizer_root", "ValueError", "root_rank 4 is out of range", ranks=[3])
+    raised(cases, "params.optimizer_root", "ValueError", "failed on every agent because of bad input",
+           "rank 3: ValueError: root_rank 4 is out of range", ranks=[0, 1, 2])
+    raised(cases, "params.optimizer_kind", "ValueError", "agents passed different optimizers",
+           "rank 1: SGD", "rank 2: Adam")
+    assert cases.of("params.after_errors") == {r: "OK" for r in range(N)}
+
+
 def test_in_place_into_an_expanded_tensor(cases):
     raised(cases, "inplace.expanded.broadcast_", "ValueError", "broadcast_", "elements share memory", "clone()")
     raised(cases, "inplace.expanded.win_create", "ValueError", "elements share memory", "win_update")

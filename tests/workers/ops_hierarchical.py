@@ -64,6 +64,37 @@ else:
 y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), name="hna.odd")
 np.testing.assert_allclose(y.numpy(), sum(U[i, m] * machine_mean[i] for i in range(M)), rtol=1e-12)
 
+# the last agent's arguments are rejected (a bool tensor; a src machine out of range):
+# it raises its own error, its machine peers and the agents of the machines receiving
+# from it raise naming the cause instead of waiting; the name works again afterwards
+last = size - 1
+for case, bad, words in (
+        ("hna.bad_dtype", dict(tensor=torch.ones(4, dtype=torch.bool)), "cannot average bool tensors"),
+        ("hna.bad_weights", dict(self_weight=0.5, src_machine_weights={M + 3: 0.5}),
+         f"machine rank in src_machine_weights {M + 3} is out of range")):
+    args = dict(tensor=torch.ones(4, dtype=torch.float64))
+    args.update(bad if rank == last else {})
+    try:
+        bf.hierarchical_neighbor_allreduce(args.pop("tensor"), name=case, **args)
+    except (TypeError, ValueError) as e:
+        assert hit and words in str(e), (case, e)
+        assert rank == last or "because of bad input" in str(e), (case, e)
+    else:
+        assert not hit, f"{case}: rank {last}'s bad arguments went unnoticed"
+    y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), name=case)
+    np.testing.assert_allclose(y.numpy(), sum(U[i, m] * machine_mean[i] for i in range(M)), rtol=1e-12)
+
+# the same for a machine-local allreduce: only the last agent's machine is involved
+try:
+    bf.allreduce(torch.ones(4, dtype=torch.float16 if rank == last else torch.float64),
+                 is_hierarchical_local=True, name="local.bad")
+except (TypeError, ValueError) as e:
+    assert m == M - 1 and "float16" in str(e), e
+else:
+    assert m != M - 1, "the bad local allreduce went unnoticed"
+y = bf.allreduce(torch.from_numpy(data(rank)), is_hierarchical_local=True, name="local.bad")
+np.testing.assert_allclose(y.numpy(), machine_mean[m], rtol=1e-12)
+
 # all local ranks get bitwise the same result
 g = bf.allgather(y.view(1, -1), name="same")
 for r in range(size):

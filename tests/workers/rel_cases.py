@@ -123,6 +123,10 @@ NOT_IN = [r for r in range(SIZE) if r != RANK and r not in IN]
 X = torch.from_numpy(data(RANK))
 
 
+def exp2_average(xs):
+    return (xs[RANK] + sum(xs[r] for r in IN)) / (len(IN) + 1)
+
+
 # ---- tensors that differ between neighbors (every agent receives from every other) ------
 
 assert bf.set_topology(topo.FullyConnectedGraph(SIZE))
@@ -201,6 +205,74 @@ attempt("one_agent.allreduce_expanded", bf.allreduce_,
         torch.ones(1).expand(4) if RANK == 0 else torch.ones(4), name="one.ar_")
 check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(data(RANK)), name="one.next"),
                                                 np.mean([data(r) for r in range(SIZE)], axis=0)))
+# bad arguments to a neighbor operation on one agent (Exp-2: r sends to r+1, r+2): it
+# raises its own error, the agents that receive from it raise naming it (they waited
+# before), and the next call of the name gets this round's data (nothing stale)
+RING = dict(self_weight=0.5, src_weights={(RANK - 1) % SIZE: 0.5}, dst_weights=[(RANK + 1) % SIZE])
+ONE_AGENT_NEIGHBOR = (
+    ("one_agent.nar_static", lambda bad: bf.neighbor_allreduce(
+        torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, name="one.nar"),
+     1, lambda: bf.neighbor_allreduce(X, name="one.nar"), lambda xs: exp2_average(xs)),
+    ("one_agent.nar_checked", lambda bad: bf.neighbor_allreduce(
+        X, **dict(RING, src_weights={SIZE + 5: 0.5} if bad == RANK else RING["src_weights"]), name="one.dyn"),
+     2, lambda: bf.neighbor_allreduce(X, **RING, name="one.dyn"),
+     lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
+    ("one_agent.nar_unchecked", lambda bad: bf.neighbor_allreduce(
+        X, **dict(RING, self_weight=math.nan if bad == RANK else 0.5), enable_topo_check=False, name="one.unc"),
+     3, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.unc"),
+     lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
+    ("one_agent.nag_static", lambda bad: bf.neighbor_allgather(
+        torch.ones(()) if bad == RANK else X, name="one.nag"),
+     0, lambda: bf.neighbor_allgather(X, name="one.nag"), lambda xs: np.concatenate([xs[r] for r in IN])),
+    ("one_agent.gossip", lambda bad: bf.pair_gossip(
+        torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, RANK ^ 1, name="one.gossip"),
+     1, lambda: bf.pair_gossip(X, RANK ^ 1, name="one.gossip"), lambda xs: 0.5 * xs[RANK] + 0.5 * xs[RANK ^ 1]),
+    ("one_agent.local_allreduce", lambda bad: bf.allreduce(
+        torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, is_hierarchical_local=True, name="one.local"),
+     2, lambda: bf.allreduce(X, is_hierarchical_local=True, name="one.local"), lambda xs: np.mean(xs, axis=0)),
+)
+for case, call, bad, again, want in ONE_AGENT_NEIGHBOR:
+    attempt(case, call, bad)
+    check(case + ".again", lambda: close(again(), want([data(r) for r in range(SIZE)])))
+
+
+# the parameter helpers check every agent's parameter list first: a difference raises on
+# every agent and changes nothing
+torch.manual_seed(RANK)
+NETS = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3 if RANK == 1 else 2)])
+BEFORE = {n: p.detach().clone() for n, p in NETS.state_dict().items()}
+attempt("params.extra_layer", bf.broadcast_parameters, NETS.state_dict(), 0)
+check("params.extra_layer_unchanged", lambda: next(
+    (f"{n} changed" for n, p in NETS.state_dict().items() if not torch.equal(p, BEFORE[n])), None))
+attempt("params.shape", bf.allreduce_parameters, torch.nn.Linear(4 if RANK == 2 else 3, 2).state_dict())
+attempt("params.not_params", bf.broadcast_parameters, torch.ones(3) if RANK == 3 else [torch.ones(3)], 0)
+attempt("params.optimizer_root", bf.broadcast_optimizer_state,
+        torch.optim.SGD(MODEL.parameters(), lr=0.1), SIZE if RANK == 3 else 0)
+attempt("params.optimizer_kind", bf.broadcast_optimizer_state,
+        (torch.optim.Adam if RANK == 2 else torch.optim.SGD)(MODEL.parameters(), lr=0.1), 0)
+
+
+def _parameters_after_errors():
+    net = torch.nn.Linear(3, 2)
+    bf.broadcast_parameters(net.state_dict(), root_rank=1)
+    got = torch.cat([net.weight.detach().ravel(), net.bias.detach().ravel()])
+    every = bf.allgather(got.unsqueeze(0), name="params.gathered")
+    if not all(torch.equal(every[r], every[1]) for r in range(SIZE)):
+        return "parameters differ after broadcast_parameters"
+    opt = torch.optim.Adam(net.parameters(), lr=0.01 * (RANK + 1))
+    if RANK == 1:
+        net(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    if RANK == 2:
+        opt = bf.DistributedAdaptWithCombineOptimizer(opt, model=net)
+    bf.broadcast_optimizer_state(opt, root_rank=1)
+    st = opt.state_dict()
+    if st["param_groups"][0]["lr"] != 0.02 or sorted(st["state"]) != [0, 1]:
+        return f"optimizer state not root's: lr {st['param_groups'][0]['lr']}, state {sorted(st['state'])}"
+    return None
+
+
+check("params.after_errors", _parameters_after_errors)
 attempt("inplace.expanded.broadcast_", bf.broadcast_, torch.ones(1).expand(4), 0)
 attempt("inplace.expanded.win_create", bf.win_create, torch.ones(1, 3).expand(2, 3), "expanded")
 attempt("range.dst_weights_key", bf.neighbor_allreduce, X, self_weight=0.5, src_weights={},
@@ -294,10 +366,6 @@ bf.win_free("cpu")
 
 def everyone(shape, rank_fn=data):
     return [rank_fn(r, shape) for r in range(SIZE)]
-
-
-def exp2_average(xs):
-    return (xs[RANK] + sum(xs[r] for r in IN)) / (len(IN) + 1)
 
 
 def window_round(x0s):
