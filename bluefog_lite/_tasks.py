@@ -345,6 +345,8 @@ def _mark_sends(names, dsts):
     if rec is None:
         return
     dsts = tuple(dsts)
+    if not dsts:        # nothing was sent
+        return
     activity = _SEND_TO.get(dsts)
     if activity is None:
         if len(_SEND_TO) >= 4096:      # a long run of ever new destination sets
@@ -529,6 +531,8 @@ def _machine_sum(eng, op, x, local_ranks):
     every local agent gets bitwise the same value (float64 for integer inputs)."""
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
+    with _phase(op.name, "ALLOCATE_OUTPUT"):
+        total = torch.zeros(x.shape, dtype=_sum_dtype(x))
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, x, [(r, None) for r in peers])
         local = yield Recv([(r, key) for r in peers])
@@ -536,14 +540,17 @@ def _machine_sum(eng, op, x, local_ranks):
         _check_same(op, x, local)
         by_rank = {e.src: e.value for e in local}
         by_rank[eng.rank] = x
-        acc_dtype = x.dtype if x.is_floating_point() or x.is_complex() else torch.float64
+        acc_dtype = total.dtype
         with _phase(op.name, "COMPUTE_AVERAGE"):
-            total = torch.zeros(x.shape, dtype=acc_dtype)
             for r in sorted(by_rank):
                 total.add_(by_rank[r].to(acc_dtype))
         return total
     finally:
         _release(local)
+
+
+def _sum_dtype(x):
+    return x.dtype if x.is_floating_point() or x.is_complex() else torch.float64
 
 
 def _cast_back(acc, x):
@@ -567,6 +574,8 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
     key = (op.name, "machine")
+    with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
+        acc = torch.empty(x.shape, dtype=_sum_dtype(x))
     try:
         machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
     except ValueError as err:
@@ -583,7 +592,6 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     try:
         _check_same(op, machine_sum, remote)
         with _phase(op.name, "COMPUTE_AVERAGE"):
-            acc = torch.empty_like(machine_sum)
             weighted_sum(acc, machine_sum, self_weight,
                           [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
             acc.div_(len(local_ranks))

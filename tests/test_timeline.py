@@ -71,7 +71,8 @@ def load(prefix, rank, complete=True):
 def ops_traces(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("tl") / "timeline")
     run_agents(4, "tl_ops.py", timeout=120,
-               env={"BLUEFOG_TIMELINE": prefix, "BLUEFOG_TIMELINE_MARK_CYCLES": "1"})
+               env={"BLUEFOG_TIMELINE": prefix, "BLUEFOG_TIMELINE_MARK_CYCLES": "1",
+                    "BLUEFOG_RANKS_PER_MACHINE": "2"})
     return prefix, [load(prefix, r) for r in range(4)]
 
 
@@ -121,6 +122,25 @@ def test_sub_phases_nest_inside_their_mpi_span(ops_traces):
             assert parent is not None and parent.startswith("MPI_"), (tensor, activity, parent)
         nar = t.activities("nar", "communication")
         assert nar[:4] == ["MPI_NEIGHBOR_ALLREDUCE", "ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE"]
+
+
+def test_machine_ops_have_the_three_phases_and_name_their_receivers(ops_traces):
+    """hierarchical_neighbor_allreduce and the machine-local allreduce (2 machines of 2
+    agents) show ALLOCATE_OUTPUT, COMMUNICATE and COMPUTE_AVERAGE; each SEND_TO mark
+    names the ranks a call sent to, and a call that sent nothing has none."""
+    _, traces = ops_traces
+    for r, t in enumerate(traces):
+        for tensor, kind in (("hier", "HIERARCHICAL_NEIGHBOR_ALLREDUCE"), ("ar.local", "ALLREDUCE"),
+                             ("hier.ring", "HIERARCHICAL_NEIGHBOR_ALLREDUCE")):
+            acts = t.activities(tensor, "communication")
+            assert acts[0] == f"MPI_{kind}", (tensor, acts)
+            assert {"ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE"} <= set(acts), (tensor, acts)
+        marks = lambda tensor: sorted(i[2] for i in t.instants if i[0] == tensor)  # noqa: E731
+        peer, other_machine = r ^ 1, (r + 2) % 4
+        assert marks("ar.local") == [f"SEND_TO {peer}"]
+        assert marks("hier") == sorted([f"SEND_TO {peer}", f"SEND_TO {other_machine}"])
+        # the ring 0 -> 1 of 2 machines: machine 1 sends no machine sum
+        assert marks("hier.ring") == sorted([f"SEND_TO {peer}"] + ([f"SEND_TO {other_machine}"] if r < 2 else []))
 
 
 def test_mpi_span_lies_within_its_enqueue_span(ops_traces):

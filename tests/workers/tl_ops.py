@@ -1,5 +1,6 @@
 """Every kind of operation, user activities and a hooked model, with the timeline on
 (BLUEFOG_TIMELINE set by the test, which then checks the files)."""
+import networkx as nx
 import torch
 
 import bluefog_lite as bf
@@ -16,6 +17,10 @@ bf.broadcast(x, 0, name="bc")
 bf.allgather(x.view(8, 8), name="ag")
 bf.neighbor_allgather(x.view(8, 8), name="nag")
 bf.pair_gossip(x, r ^ 1, name="gossip")
+bf.hierarchical_neighbor_allreduce(x, name="hier")      # 2 machines of 2 (the test's env)
+bf.allreduce(x, is_hierarchical_local=True, name="ar.local")
+bf.set_machine_topology(nx.DiGraph([(0, 1)]))     # machine 0 sends to machine 1, 1 to nobody
+bf.hierarchical_neighbor_allreduce(x, name="hier.ring")
 handles = [bf.neighbor_allreduce_nonblocking(x * i, name=f"nb.{i}") for i in range(4)]
 handles.append(bf.allreduce_nonblocking(x, name="ar.nb"))
 for h in handles:
