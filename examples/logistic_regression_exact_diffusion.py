@@ -1,6 +1,7 @@
-"""Exact diffusion for logistic regression with neighbor_allreduce.
+"""Exact diffusion (and plain diffusion) for logistic regression with neighbor_allreduce.
 
     bfrun -np 4 python examples/logistic_regression_exact_diffusion.py [--short] [--steps N] [--lr 0.5]
+        [--variant exact|diffusion]
 
 Exact diffusion (Yuan, Ying, Zhao, Sayed, "Exact diffusion for distributed
 optimization and learning", IEEE TSP 2019) corrects the bias of diffusion
@@ -16,6 +17,11 @@ agent weighs itself and its two neighbors 1/3), so Abar gives 2/3 to the
 agent and 1/6 to each neighbor, passed to neighbor_allreduce as self_weight
 and src_weights. With a constant step the agents reach the exact optimum.
 
+``--variant diffusion`` runs plain diffusion for comparison (adapt, then
+combine with W itself: w_i <- sum_j W_ij psi_j): with a constant step and data
+that differ between agents it stops at a distance from the optimum that
+shrinks with the step, and no further.
+
 In a timeline, the row ``w`` alternates COMPUTE_GRADIENT and
 ENQUEUE_NEIGHBOR_ALLREDUCE on the main thread, with MPI_NEIGHBOR_ALLREDUCE on
 the communication thread.
@@ -26,21 +32,27 @@ from _logistic import centralized_optimum, finish, gradient, local_problem, pars
 
 
 def main():
-    args = parser("exact diffusion with neighbor_allreduce", steps=300, short_steps=150,
-                  lr=0.5).parse_args()
+    ap = parser("exact diffusion with neighbor_allreduce", steps=300, short_steps=150, lr=0.5)
+    ap.add_argument("--variant", choices=["exact", "diffusion"], default="exact",
+                    help="exact diffusion (default) or plain diffusion, which keeps a bias")
+    args = ap.parse_args()
+    exact = args.variant == "exact"
     bf.init(topology_fn=topo.RingGraph)
     A, y = local_problem(args)
     w_star = centralized_optimum(A, y)
     steps = steps_of(args)
     self_w, src_w = topo.GetRecvWeights(bf.load_topology(), bf.rank())
-    self_weight, src_weights = (1 + self_w) / 2, {j: wj / 2 for j, wj in src_w.items()}
+    if exact:       # Abar = (I + W) / 2
+        self_weight, src_weights = (1 + self_w) / 2, {j: wj / 2 for j, wj in src_w.items()}
+    else:
+        self_weight, src_weights = self_w, dict(src_w)
 
     w = w_star.new_zeros(w_star.shape)
     psi_prev = w.clone()
     for step in range(1, steps + 1):
         with bf.timeline_context("w", "COMPUTE_GRADIENT"):
             psi = w - args.lr * gradient(w, A, y)
-        phi = psi + w - psi_prev
+        phi = psi + w - psi_prev if exact else psi
         psi_prev = psi
         w = bf.neighbor_allreduce(phi, self_weight=self_weight, src_weights=src_weights, name="w")
         report(step, w, w_star, every=steps // 10, total=steps)

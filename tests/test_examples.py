@@ -143,6 +143,29 @@ def test_decentralized_sgd_reaches_only_a_neighborhood(logistic_runs):
     assert 1e-3 < measured < 0.1, measured
 
 
+def test_plain_diffusion_follows_its_recursion_and_keeps_a_bias(sequence):
+    """--variant diffusion: every agent's final iterate equals plain diffusion
+    (w_i <- sum_j W_ij (w_j - lr grad f_j(w_j)), ring weights 1/3, 150 steps, lr 0.5)
+    simulated here in numpy, and it stays away from the optimum (the bias that
+    exact diffusion's correction removes)."""
+    sections, out = sequence
+    rows = np.load(out / "logistic_regression_diffusion.npy")
+    data = [_logistic.make_data(r) for r in range(AGENTS)]
+    W = topology.mixing_matrix(topology.RingGraph(AGENTS))     # symmetric: 1/3 to self and each neighbor
+    w = np.zeros((AGENTS, rows.shape[1]))
+    for _ in range(150):
+        psi = np.empty_like(w)
+        for i, (A, y) in enumerate(data):
+            p = 1.0 / (1.0 + np.exp(y * (A @ w[i])))
+            psi[i] = w[i] - 0.5 * (-A.T @ (y * p) / len(y) + _logistic.RHO * w[i])
+        w = W.T @ psi
+    np.testing.assert_allclose(rows, w, rtol=1e-9, atol=1e-12)
+    w_star = numpy_optimum(AGENTS)
+    bias = np.linalg.norm(rows - w_star, axis=1).max() / np.linalg.norm(w_star)
+    assert bias > 1e-3, bias
+    assert _final(sections["logistic_regression_diffusion"], FINAL) == pytest.approx(bias, rel=1e-2)
+
+
 # ---- CNN ------------------------------------------------------------------------------
 
 def matched_filter_accuracy():

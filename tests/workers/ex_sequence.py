@@ -20,6 +20,8 @@ RUNS = [("consensus_static", "average_consensus", ["--steps", "10", "--dim", "10
 
 out_dir = sys.argv[1]
 RUNS += [(name, name, ["--short", "--save", os.path.join(out_dir, name + ".npy")]) for name in LOGISTIC]
+RUNS += [("logistic_regression_diffusion", "logistic_regression_exact_diffusion",
+          ["--short", "--variant", "diffusion", "--save", os.path.join(out_dir, "logistic_regression_diffusion.npy")])]
 rank = MPI.COMM_WORLD.rank
 for label, module, args in RUNS:
     if rank == 0:
