@@ -294,26 +294,31 @@ def _fingerprint(G):
     return np.round(_topo.mixing_matrix(G), 12).tobytes()
 
 
-def set_topology(topology=None, is_weighted=False):
+def set_topology(topology=None, is_weighted=False, *, G=None):
     """Replace the static topology (collective). Returns False, with a warning,
-    while windows exist or operations are in flight on any agent."""
+    while windows exist or operations are in flight on any agent. The graph may be
+    passed as ``topology`` (Bluefog's name) or ``G`` (the specification's); none:
+    the Exponential-2 graph."""
     st = state()
     busy = bool(st.windows) or st.engine.has_pending()
 
     def validated():
         _check_is_weighted(is_weighted)
-        G = (_topo.ExponentialGraph(st.size) if topology is None
-             else _validate_graph(topology, st.size, "topology", is_weighted))
-        return G, (busy, _fingerprint(G))
+        if G is not None and topology is not None:
+            raise TypeError("set_topology: pass the graph once, as topology or as G")
+        given = topology if G is None else G
+        graph = (_topo.ExponentialGraph(st.size) if given is None
+                 else _validate_graph(given, st.size, "topology", is_weighted))
+        return graph, (busy, _fingerprint(graph))
     from .ops import _negotiate
-    G, views = _negotiate("set_topology", validated)
+    graph, views = _negotiate("set_topology", validated)
     if any(b for b, _ in views):
         warnings.warn("set_topology refused: windows exist or operations are in flight "
                       "(free windows with win_free() and synchronize handles first)")
         return False
     if any(fp != views[0][1] for _, fp in views):
         raise ValueError("set_topology: agents passed different graphs; every agent must set the same topology")
-    _install_topology(G, is_weighted)
+    _install_topology(graph, is_weighted)
     return True
 
 

@@ -28,6 +28,17 @@ try:
 except ValueError as e:
     assert "different graphs" in str(e)
 assert topo.IsTopologyEquivalent(bf.load_topology(), topo.RingGraph(size))   # unchanged
+# the graph by keyword: Bluefog's name (topology=) and the specification's (G=); not both
+assert bf.set_topology(topology=topo.StarGraph(size))
+assert bf.in_neighbor_ranks() == ([0] if rank else list(range(1, size)))
+assert bf.set_topology(G=topo.RingGraph(size))
+assert bf.in_neighbor_ranks() == sorted({(rank - 1) % size, (rank + 1) % size})
+try:
+    bf.set_topology(topo.StarGraph(size), G=topo.StarGraph(size))
+    raise AssertionError("a graph passed twice was accepted")
+except TypeError as e:
+    assert "pass the graph once" in str(e), str(e)
+assert topo.IsTopologyEquivalent(bf.load_topology(), topo.RingGraph(size))   # unchanged
 # an undirected networkx graph is read as both directions
 assert bf.set_topology(nx.cycle_graph(size))
 assert bf.out_neighbor_ranks() == sorted({(rank - 1) % size, (rank + 1) % size})
