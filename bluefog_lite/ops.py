@@ -196,10 +196,10 @@ def _ranks_named(ranks, size, me):
                    and 0 <= r < size and r != me})
 
 
-def _peers(topo, srcs, dsts, size, me):
+def _peers(topo, static, srcs, dsts, size, me):
     """(ranks sent to, ranks received from) by a neighbor operation whose arguments may
-    be bad: the static topology's without dsts, else the ranks the arguments name."""
-    if dsts is None and srcs is None:
+    be bad: the topology's in static mode, else the ranks the arguments name."""
+    if static:
         return topo.out_ranks, topo.in_ranks
     return _ranks_named(dsts or (), size, me), _ranks_named(srcs or (), size, me)
 
@@ -405,8 +405,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
     except (TypeError, ValueError) as exc:
-        srcs = None if dst_weights is None else src_weights      # static mode: the topology's
-        sends, recvs = _peers(st.topology, srcs, dst_weights, st.size, st.rank)
+        sends, recvs = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
             negotiate=bool(enable_topo_check) and dst_weights is not None)) from exc
@@ -444,7 +443,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
             send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
             recv_from = _ordered_ranks(src_ranks, "src_ranks", st.size, st.rank)
     except (TypeError, ValueError) as exc:
-        sends, recvs = _peers(st.topology, src_ranks, dst_ranks, st.size, st.rank)
+        sends, recvs = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
                        [(r, name) for r in recvs], negotiate=check)
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _tasks.neighbor_allgather(
@@ -473,8 +472,8 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
             self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
             st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
     except (TypeError, ValueError) as exc:
-        srcs = None if dst_machine_weights is None else src_machine_weights
-        sends, recvs = _peers(st.machine_topology, srcs, dst_machine_weights, st.machine_size, st.machine_rank)
+        sends, recvs = _peers(st.machine_topology, dst_machine_weights is None, src_machine_weights,
+                              dst_machine_weights, st.machine_size, st.machine_rank)
         local = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name, exc,
                        local + [(to_rank(m), (name, "machine")) for m in sends],

@@ -1,7 +1,7 @@
 """Model and optimizer helpers: broadcast or average all parameters, share optimizer state."""
 import torch
 
-from . import ops
+from . import _tasks, ops
 from ._runtime import state
 
 
@@ -19,17 +19,13 @@ def _named(params):
     return items
 
 
-def _describe(t):
-    return f"{str(t[2]).replace('torch.', '')}{list(t[1])}"
-
-
 def _difference(call, views):
-    """None when every agent listed the same (name, shape, dtype), else what differs."""
-    first = dict((n, (n, s, d)) for n, s, d in views[0])
+    """None when every agent listed the same (name, (dtype, shape)), else what differs."""
+    first = dict(views[0])
     for r, view in enumerate(views[1:], 1):
         if view == views[0]:
             continue
-        mine = dict((n, (n, s, d)) for n, s, d in view)
+        mine = dict(view)
         only_r = [n for n in mine if n not in first]
         only_0 = [n for n in first if n not in mine]
         if only_r or only_0:
@@ -38,8 +34,8 @@ def _difference(call, views):
             return f"{call}: agents passed different parameters ({'; '.join(parts)})"
         for n, t in mine.items():
             if t != first[n]:
-                return (f"{call}: parameter {n!r} is {_describe(first[n])} on rank 0 and "
-                        f"{_describe(t)} on rank {r}; all agents must pass the same shapes and dtypes")
+                return (f"{call}: parameter {n!r} is {_tasks._meta_text(first[n])} on rank 0 and "
+                        f"{_tasks._meta_text(t)} on rank {r}; all agents must pass the same shapes and dtypes")
         return f"{call}: agents passed the parameters in a different order (rank 0 and rank {r})"
     return None
 
@@ -60,7 +56,7 @@ def _agreed(call, params, root_rank=None, keep=lambda p: True):
         if root_rank is not None:
             ops._rank(root_rank, "root_rank", st.size)
         items = [(str(n), p) for n, p in _named(params) if isinstance(p, torch.Tensor) and keep(p)]
-        return items, [(n, tuple(p.shape), p.dtype) for n, p in items]
+        return items, [(n, _tasks._meta(p)) for n, p in items]
     items, views = ops._negotiate(f"{call}.check", validated)
     wrong = _difference(call, views)
     if wrong is not None:
