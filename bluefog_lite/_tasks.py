@@ -226,16 +226,26 @@ def _collective_call(eng, op, nonempty, post, what):
             yield Requests([req], what)
 
 
+def _reduced_in(dtype, average):
+    """The dtype allreduce sums in: MPI has no sum of 16-bit floats, so float16 and
+    bfloat16 are summed in float32 (and rounded once, at the end); an average of
+    narrow integers is summed in int64, where the sum cannot wrap."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if average and not dtype.is_floating_point and dtype != torch.int64:
+        return torch.int64
+    return dtype
+
+
 def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x))
     _same_meta_or_raise(op, views, _meta_text)
     dtype = x.dtype
-    # An average of narrow integers is summed in int64: the sum would wrap first.
-    widen = average and not x.is_floating_point() and dtype != torch.int64
+    wide = _reduced_in(dtype, average)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        if widen:
-            x = out = x.to(torch.int64)
+        if wide != dtype:
+            x = out = x.to(wide)
         else:
             out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
     src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
@@ -245,14 +255,14 @@ def allreduce(eng, op, x, average, target):
         with _phase(op.name, "COMPUTE_AVERAGE"):
             if out.is_floating_point():
                 out.div_(eng.size)
-            elif widen:
-                out = torch.div(out, eng.size, rounding_mode="floor").to(dtype)
+            elif wide != dtype:
+                out = torch.div(out, eng.size, rounding_mode="floor")
             else:
                 out.copy_(torch.div(out, eng.size, rounding_mode="floor"))
     if target is not None and out is not target:
-        target.copy_(out)
+        target.copy_(out)       # (casts a widened sum back)
         return target
-    return out
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def broadcast(eng, op, x, root, target):

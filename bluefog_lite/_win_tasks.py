@@ -33,6 +33,11 @@ from ._tasks import _phase, exchange_headers, scaled, weighted_sum
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
              torch.uint8: MPI.UINT8_T}
+# MPI cannot add 16-bit floats (MPI_Accumulate): windows of float16 and bfloat16
+# tensors keep their buffers and exposed copy in float32 (twice the memory; sums
+# of many accumulates keep their precision), converted on the way in and out.
+STORED_AS = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+DTYPES = set(MPI_TYPES) | set(STORED_AS)
 _ALIGN = 64
 _ONE = np.ones(1, np.int64)
 _ZERO = np.zeros(1, np.int64)
@@ -78,8 +83,9 @@ class Window:
     def __init__(self, name, tensor, topology, rank, size):
         self.name, self.tensor, self.rank = name, tensor, rank
         self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.mpi_type = MPI_TYPES[tensor.dtype]
+        self.stored = STORED_AS.get(tensor.dtype, tensor.dtype)    # the buffers' dtype
+        self.nbytes = tensor.numel() * self.stored.itemsize
+        self.mpi_type = MPI_TYPES[self.stored]
         G = topology.graph
         ins = {r: sorted(s for s in G.predecessors(r) if s != r) for r in range(size)}
         self.in_ranks, self.out_ranks = list(topology.in_ranks), list(topology.out_ranks)
@@ -114,7 +120,7 @@ class Window:
         mem = np.frombuffer(win.tomemory(), dtype=np.uint8)
         self.versions = mem[8:8 + 8 * lay.k].view(np.int64)
         self.p = mem[lay.p(0):lay.p(lay.k + 1)].view(np.float64)
-        np_dtype = torch.empty(0, dtype=self.dtype).numpy().dtype
+        np_dtype = torch.empty(0, dtype=self.stored).numpy().dtype
 
         def view(off):
             return torch.from_numpy(mem[off:off + self.nbytes].view(np_dtype)).view(self.shape)
@@ -288,7 +294,7 @@ def create(eng, op, win, problem, meta, zero_init):
                 b.zero_()
     with _phase(op.name, "COMMUNICATE"):
         # Buffers start as a copy of the neighbor's tensor: each agent pushes its own.
-        src = plain(win.tensor)
+        src = plain(win.tensor).to(win.stored)
         for dst in win.out_ranks:
             if win.nbytes and not views[dst][2]:
                 lay = win.layouts[dst]
@@ -328,6 +334,8 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     try:
         with _phase(op.name, "COMMUNICATE"):
             p_self, keep = float(win.p[0]), []
+            if win.nbytes and x.dtype != win.stored:
+                x = x.to(win.stored)        # a float16/bfloat16 window (STORED_AS)
             for dst in targets:
                 w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
                 if win.nbytes:
@@ -399,7 +407,12 @@ def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, 
             win.win.Sync()
             x = win.tensor.detach()
             out = torch.empty_like(x) if clone else x
-            weighted_sum(out, x, self_weight, [(win.buffers[i], w) for i, w in used])
+            terms = [(win.buffers[i], w) for i, w in used]
+            if win.stored != win.dtype:     # summed in the buffers' float32, rounded once
+                acc = x.to(win.stored)
+                out.copy_(weighted_sum(acc, acc, self_weight, terms))
+            else:
+                weighted_sum(out, x, self_weight, terms)
             if with_p:
                 new_p = self_weight * win.p[0] + sum(w * win.p[1 + i] for i, w in used)
                 if not clone:

@@ -76,8 +76,8 @@ def _create_problem(tensor, name, st):
         return "TypeError", f"tensor must be a torch.Tensor, got {type(tensor).__name__}"
     if tensor.device.type != "cpu" or tensor.is_sparse:
         return "TypeError", f"tensor must be a dense CPU tensor, got layout {tensor.layout} on {tensor.device}"
-    if tensor.dtype not in _win_tasks.MPI_TYPES:
-        allowed = sorted(str(d).replace("torch.", "") for d in _win_tasks.MPI_TYPES)
+    if tensor.dtype not in _win_tasks.DTYPES:
+        allowed = sorted(str(d).replace("torch.", "") for d in _win_tasks.DTYPES)
         return "TypeError", f"windows support dtypes {allowed}, got {str(tensor.dtype).replace('torch.', '')}"
     if _overlaps(tensor):
         return "ValueError", ("the tensor's elements share memory (stride 0, e.g. from expand()), so "

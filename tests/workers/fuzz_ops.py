@@ -38,7 +38,7 @@ DTYPES = {"float32": (torch.float32, "f", 1e-4), "float64": (torch.float64, "f",
           "int16": (torch.int16, "i", 0.5), "int8": (torch.int8, "i", 0.5),
           "uint8": (torch.uint8, "u", 0.5), "bool": (torch.bool, "b", 0)}
 NUMERIC = [d for d in DTYPES if d != "bool"]
-REDUCIBLE = ["float32", "float64", "int64", "int32", "int16", "int8", "uint8"]
+REDUCIBLE = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8"]
 
 
 class Expect:

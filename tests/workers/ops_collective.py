@@ -40,6 +40,29 @@ for dt, top in ((torch.uint8, 250), (torch.int8, -120), (torch.int16, 32000), (t
         assert got.dtype == dt, got.dtype
         assert got.tolist() == np.floor_divide(vals.sum(0), size).tolist(), (dt, got.tolist())
 
+machines = bf.allgather(torch.tensor([bf.machine_rank()]), name="ar.machines").tolist()
+MACHINE = [r for r in range(size) if machines[r] == bf.machine_rank()]     # this agent's machine
+# float16 / bfloat16: summed in float32 (MPI cannot add them), rounded once. Rank 0's
+# big value plus a 1 from every other agent: each 1 alone is below half the
+# spacing at big, so adding in the 16-bit dtype would leave big unchanged.
+for dt, big, tol in ((torch.float16, 2048.0, 2.0 ** -10), (torch.bfloat16, 256.0, 2.0 ** -7)):
+    one = torch.full((3,), big if rank == 0 else 1.0, dtype=dt)
+    exact = torch.tensor([big + size - 1] * 3, dtype=torch.float32)    # exact in float32
+    got = bf.allreduce(one, average=False, name=f"ar.half.sum.{dt}")
+    assert got.dtype == dt and torch.equal(got, exact.to(dt)), (dt, got, exact)
+    assert size == 1 or not torch.equal(got, one if rank == 0 else torch.full((3,), big, dtype=dt))
+    q = np.stack([torch.from_numpy(data(r)).to(dt).double().numpy() for r in range(size)])   # the inputs as given
+    xh = torch.from_numpy(data(rank)).to(dt)
+    before = xh.clone()
+    got = bf.allreduce(xh, name=f"ar.half.mean.{dt}")
+    assert got.dtype == dt and torch.equal(xh, before)
+    np.testing.assert_allclose(got.double().numpy(), q.mean(0), rtol=tol, atol=tol * 1e-2)
+    bf.allreduce_(xh, average=False, name=f"ar.half.inplace.{dt}")
+    np.testing.assert_allclose(xh.double().numpy(), q.sum(0), rtol=tol, atol=tol * 1e-2)
+    xl = torch.from_numpy(data(rank)).to(dt)
+    local = bf.allreduce(xl, is_hierarchical_local=True, name=f"ar.half.local.{dt}")
+    np.testing.assert_allclose(local.double().numpy(), q[MACHINE].mean(0), rtol=4 * tol, atol=tol)
+
 # non-contiguous in-place
 xt = torch.from_numpy(data(rank, (3, 4))).t()
 bf.allreduce_(xt, name="ar.nc")

@@ -197,7 +197,7 @@ attempt("range.broadcast_root_differs", bf.broadcast, X, RANK % 2, name="root.di
 # bad input to a collective on one agent only: that agent raises its own error, the
 # others an error naming it (they waited for it before), and the next collective works
 attempt("one_agent.allreduce_dtype", bf.allreduce,
-        torch.ones(4, dtype=torch.float16 if RANK == 1 else torch.float32), name="one.ar")
+        torch.ones(4, dtype=torch.bool if RANK == 1 else torch.float32), name="one.ar")
 attempt("one_agent.broadcast_root", bf.broadcast, X, SIZE if RANK == 2 else 0, name="one.bc")
 attempt("one_agent.allgather_scalar", lambda: bf.synchronize(bf.allgather_nonblocking(
     torch.ones(()) if RANK == 3 else torch.ones(1), name="one.ag")))

@@ -223,6 +223,37 @@ bf.win_put(n, "i64", self_weight=0.5, dst_weights=[])      # integer tensors: sc
 assert torch.equal(n, torch.full(SHAPE, round(total * 0.5)))
 bf.barrier()
 bf.win_free()
+
+# -- float16 / bfloat16 windows: buffers in float32 (MPI cannot add 16-bit floats) ---------------
+for dt, tol in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
+    q = {r: torch.from_numpy(data(r, 13)).to(dt).double().numpy() for r in range(size)}   # as given
+    h = torch.from_numpy(data(rank, 13)).to(dt)
+    nm = f"half.{dt}"
+    bf.win_create(h, nm)
+    y = bf.win_update(nm)                  # the graph's weights, into h
+    assert y is h and h.dtype == dt
+    close(y.double(), sum(W[r, rank] * q[r] for r in [rank] + IN), 4 * tol)
+    bf.barrier()
+    # 1.0 put, then a hundred accumulates of 0.0002: each below half the 16-bit spacing
+    # at 1.0, so 16-bit buffers would stay at 1.0; float32 buffers reach 1.02
+    bf.win_put(torch.ones(SHAPE, dtype=dt), nm)
+    small = torch.full(SHAPE, 0.0002, dtype=dt)
+    for _ in range(100):
+        bf.win_accumulate(small, nm)
+    bf.barrier()
+    got = bf.win_update(nm, self_weight=0.0, neighbor_weights={s: 1.0 for s in IN}, clone=True)
+    expect = len(IN) * (1.0 + 100 * float(small[0, 0]))
+    assert got.dtype == dt and torch.equal(got, torch.full(SHAPE, expect, dtype=torch.float64).to(dt)), (
+        dt, got[0, 0].item(), expect)
+    assert got[0, 0].item() > len(IN) * 1.01
+    bf.barrier()
+    # win_get fetches the neighbors' tensors (as updated above), scaled
+    everyone_h = bf.allgather(h.unsqueeze(0), name=f"half.all.{dt}").double().numpy()
+    bf.win_get(nm, src_weights={s: 0.5 for s in IN})
+    got = bf.win_update(nm, self_weight=0.0, neighbor_weights={s: 1.0 for s in IN}, clone=True)
+    close(got.double(), sum(0.5 * everyone_h[s] for s in IN), 4 * tol)
+    bf.barrier()
+    bf.win_free(nm)
 assert bf.set_topology(topo.ExponentialGraph(size))
 
 # -- a neighbor op may share its name with a window whose put is still in flight ------------------
