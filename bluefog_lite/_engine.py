@@ -870,6 +870,24 @@ class Engine:
         """The ranks whose entry a Recv wait still lacks."""
         return sorted({src for src, key in wait.keys if not self.stream.has(src, key)})
 
+    def _strays(self, wait):
+        """The ranks that sent this agent entries under the keys a Recv wait takes,
+        but not the ones it takes from them: unclaimed, they hint at senders and
+        receivers that disagree (or at a sender already on its next call)."""
+        keys, expected = {key for _, key in wait.keys}, set(wait.keys)
+        return sorted({src for (src, key), q in self.stream.inbox.items()
+                       if q and key in keys and (src, key) not in expected})
+
+    def _stray_hint(self, op):
+        """For an op waiting for inputs: who sent inputs of its name that it does not
+        take (for its warning or timeout), or ''."""
+        strays = self._strays(op.wait) if isinstance(op.wait, Recv) else []
+        if not strays:
+            return ""
+        return (f"; ranks {strays} sent this agent data of that name which it does not take (their "
+                "next call's, or sends that do not match this call's sources: check that the senders' "
+                "dst_weights or pair_gossip target_rank agree with this agent's src_weights or target_rank)")
+
     def _missing(self, op):
         w = op.wait
         if isinstance(w, Recv):
@@ -888,7 +906,8 @@ class Engine:
             if not op.warned and waited > self.stall_warning_s:
                 op.warned = True
                 what = ("for the completion of its own sends (a receiver has not taken them)"
-                        if op.finished_task else f"for ranks {self._missing(op)} that have not joined it")
+                        if op.finished_task else
+                        f"for ranks {self._missing(op)} that have not joined it{self._stray_hint(op)}")
                 sys.stderr.write(
                     f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
                     f"waited {waited:.1f} s {what}\n")
@@ -897,7 +916,7 @@ class Engine:
                 op.error = OpTimeout(
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
-                    f"waiting for ranks {self._missing(op)}")
+                    f"waiting for ranks {self._missing(op)}{self._stray_hint(op)}")
                 op.task.close()
                 if isinstance(op.wait, Recv):
                     self.forget_inputs(op.wait.keys)

@@ -23,6 +23,14 @@ def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its
     assert all(1.0 < float(s) < 3.0 for _, s in warned), out
 
 
+def test_stall_of_senders_and_receivers_that_disagree_names_the_unexpected_sender():
+    _, out = run_agents(4, "runtime_stall.py", "mismatch", timeout=90,
+                        env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "2.5"})
+    warned = re.findall(r"rank (\d)\): PAIR_GOSSIP 'mismatched.pairs' has waited [\d.]+ s for ranks \[(\d)\] "
+                        r"that have not joined it; ranks \[(\d)\] sent this agent data of that name", out)
+    assert sorted(warned) == [(str(r), str((r + 1) % 4), str((r - 1) % 4)) for r in range(4)], out
+
+
 def test_fatal_timeout_raises_on_waiting_agents():
     run_agents(4, "runtime_stall.py", "fatal", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
 

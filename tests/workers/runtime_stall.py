@@ -1,5 +1,7 @@
 """Rank 1 joins a neighbor_allreduce late: the others warn (naming the op and rank 1);
 with BLUEFOG_OP_TIMEOUT_S the stall becomes an exception on every waiting agent.
+Mode "mismatch": pair_gossip partners that do not pair up (warning and timeout
+name the rank that sent what the call does not take).
 
 Mode "sends": rank 0 sends 1 MB to rank 1 and receives nothing, and rank 1 takes it
 2.5 s late, twice: a blocking call (the quick path, which goes on in the loop for
@@ -40,6 +42,21 @@ elif mode == "warn":
         time.sleep(3.0)
     y = bf.neighbor_allreduce(torch.ones(3) * rank, name="late.op")
     assert torch.allclose(y, torch.full((3,), (bf.size() - 1) / 2))
+elif mode == "mismatch":
+    # pair_gossip partners that do not pair up: r targets r + 1, so each agent waits for
+    # its successor and holds its predecessor's data, which it does not take. The
+    # timeout names both (with BLUEFOG_OP_TIMEOUT_S), and so does the stall warning.
+    n = bf.size()
+    succ, pred = (rank + 1) % n, (rank - 1) % n
+    try:
+        bf.pair_gossip(torch.ones(3) * rank, succ, name="mismatched.pairs")
+        raise AssertionError("expected a timeout")
+    except TimeoutError as e:
+        assert f"waiting for ranks [{succ}]; ranks [{pred}] sent this agent data of that name" in str(e), str(e)
+    # a consistent gossip under another name still works afterwards
+    y = bf.pair_gossip(torch.ones(3) * rank, rank ^ 1, name="paired")
+    assert torch.allclose(y, torch.full((3,), (rank + (rank ^ 1)) / 2)), y
+    bf.barrier()
 else:  # fatal: rank 1 never joins; everybody else must get a TimeoutError naming rank 1
     if rank != 1:
         try:
