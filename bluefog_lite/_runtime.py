@@ -178,6 +178,7 @@ def _initial_topology(topology_fn, is_weighted, comm):
 
 def _start_timeline_if_requested():
     from .timeline import _control
+    _control.measure_clock(_state)      # collective: also for a timeline started later
     _control.start_from_environment()
 
 
