@@ -42,6 +42,41 @@ def _named_params(model, optimizer):
     return named
 
 
+class _InOrder:
+    """Starts the allreduce of each parameter in one fixed order, the same on every
+    agent: collectives are matched across agents by their order, while the hooks
+    that make parameters ready fire in an order that can depend on the data (a
+    branch of the model taken on some agents only). A ready parameter starts as
+    soon as every parameter before it in the order has; finish() (in step())
+    starts the rest. Where the hooks fire in the fixed order, nothing waits."""
+
+    def __init__(self, names, start, check):
+        self.order, self.start, self.check = names, start, check
+        self.next = 0           # index in order of the next parameter to start
+        self.waiting = {}       # name -> param: ready, waiting for earlier ones
+
+    def ready(self, name, p):
+        if name in self.waiting:
+            self.check(name, waiting=True)
+        self.waiting[name] = p
+        order, waiting = self.order, self.waiting
+        while self.next < len(order) and order[self.next] in waiting:
+            n = order[self.next]
+            self.next += 1
+            self.start(n, waiting.pop(n))
+
+    def finish(self, param_of):
+        """Start every parameter not started yet this round, in the order."""
+        while self.next < len(self.order):
+            n = self.order[self.next]
+            self.next += 1
+            self.start(n, self.waiting.pop(n) if n in self.waiting else param_of[n])
+
+    def new_round(self):
+        self.next = 0
+        self.waiting.clear()
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
 
@@ -61,9 +96,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.num_steps_per_communication = num_steps_per_communication
         self._named = _named_params(model, optimizer)
         self._name_of = {id(p): n for n, p in self._named}
+        self._param_of = dict(self._named)
         self._handles = {}          # param name -> (param, handle)
         self._steps = 0
         self._skip_sync = False
+        self._rest_started = False  # _launch_rest has run in this step
+        self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
         # per-step knobs for dynamic topologies (read when communication launches)
         self.self_weight = None
@@ -103,13 +141,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _communicating(self):
         return self._steps % self.num_steps_per_communication == 0
 
-    def _check_no_pending(self, name):
-        if name in self._handles:
+    def _check_no_pending(self, name, waiting=False):
+        if waiting or name in self._handles:
             raise RuntimeError(f"parameter {name!r} already has communication in flight; call step() "
                                "(or synchronize()) once per forward/backward pass")
 
+    def _launch_rest(self):
+        """Start the communication that the pass did not (parameters it did not use)."""
+
+    def _rest_once(self):
+        if not self._rest_started:
+            self._rest_started = True
+            self._launch_rest()
+
     def synchronize(self):
-        """Wait for all communication launched this step and install the results."""
+        """Start what the pass did not (its unused parameters), wait for all
+        communication of this step and install the results."""
+        self._rest_once()
         for name, (p, handle) in list(self._handles.items()):
             self._apply(p, ops.synchronize(handle))
         self._handles.clear()
@@ -128,6 +176,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.copy_(result)
 
     def _finish_step(self):
+        self._rest_started = False
+        if self._in_order is not None:
+            self._in_order.new_round()
         self._steps += 1
         _timeline.step()
 
@@ -182,13 +233,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 class _ParameterCommunicator(_DistributedOptimizer):
     """Common part of AWC and ATC: communicate a parameter with the chosen op."""
 
-    def __init__(self, optimizer, model, communication_type, num_steps_per_communication):
+    def __init__(self, optimizer, model, communication_type, num_steps_per_communication, backward=False):
+        """backward: parameters become ready in backward order (else forward order)."""
         if not isinstance(communication_type, CommunicationType):
             raise TypeError(f"communication_type must be a bf.CommunicationType, got {communication_type!r}")
         super().__init__(optimizer, model, num_steps_per_communication)
         self.communication_type = communication_type
+        if communication_type is CommunicationType.allreduce:
+            names = [n for n, _ in self._named]
+            self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._check_no_pending)
 
     def _launch(self, name, p):
+        if self._in_order is not None:
+            self._in_order.ready(name, p)
+        else:
+            self._start(name, p)
+
+    def _start(self, name, p):
         self._check_no_pending(name)
         ct = self.communication_type
         x = p.detach()
@@ -209,9 +270,14 @@ class _ParameterCommunicator(_DistributedOptimizer):
 
     def _launch_rest(self):
         """Communicate parameters whose hook did not fire (unused in this pass), in a fixed order."""
-        for name, p in self._named:
-            if name not in self._handles and name not in self._launched:
-                self._launch(name, p)
+        if not self._communicating():
+            return
+        if self._in_order is not None:
+            self._in_order.finish(self._param_of)
+        else:
+            for name, p in self._named:
+                if name not in self._handles and name not in self._launched:
+                    self._start(name, p)
         self._launched = set()
 
 
@@ -226,10 +292,10 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        if self._communicating():
-            self._launch_rest()
-            if not self._skip_sync:
-                self.synchronize()
+        if self._skip_sync:
+            self._rest_once()       # (the caller has synchronized, which started it)
+        else:
+            self.synchronize()
         self.optimizer.step()
         self._finish_step()
         return loss
@@ -241,7 +307,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
                  num_steps_per_communication=1):
-        super().__init__(optimizer, model, communication_type, num_steps_per_communication)
+        super().__init__(optimizer, model, communication_type, num_steps_per_communication, backward=True)
         self._local_step = step_function_for(optimizer)
         self._launched = set()
         self._updated = set()
@@ -279,10 +345,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             for p, group in self._extra:
                 if p.grad is not None:
                     self._local_step(p, p.grad, group, self.optimizer.state[p])
-        if self._communicating():
-            self._launch_rest()
-            if not self._skip_sync:
-                self.synchronize()
+        if self._skip_sync:
+            self._rest_once()       # (the caller has synchronized, which started it)
+        else:
+            self.synchronize()
         self._updated.clear()
         self._finish_step()
         return loss
@@ -292,11 +358,20 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
     """Horovod-style: gradients are averaged over all agents (allreduce, launched
     from gradient hooks), then the wrapped optimizer steps. With
     num_steps_per_communication=k, gradients of k backward passes accumulate
-    and step() is called once per k passes."""
+    and step() is called once per k passes.
+
+    Every agent averages every parameter's gradient in every step, in one order
+    (backward order: reversed model.parameters()), whichever parameters its
+    forward pass used: an agent without a gradient for a parameter (a branch it
+    did not take) contributes zeros and gets the average as its gradient, as in
+    Horovod. Where no agent had one (the average is exactly zero), the gradient
+    stays None, so the wrapped optimizer skips the parameter as it would alone."""
 
     def __init__(self, optimizer, model, num_steps_per_communication=1):
         super().__init__(optimizer, model, num_steps_per_communication)
         self._passes = {}
+        self._filled = set()        # ids of parameters given a zero gradient this step
+        self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._check_no_pending)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
 
@@ -305,19 +380,32 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             n = self._passes.get(name, 0) + 1
             self._passes[name] = n
             if n == self.num_steps_per_communication:
-                self._check_no_pending(name)
-                self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
+                self._in_order.ready(name, p)
         return hook
 
+    def _start(self, name, p):
+        self._check_no_pending(name)
+        if p.grad is None:          # unused on this agent this step
+            p.grad = torch.zeros_like(p)
+            self._filled.add(id(p))
+        self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
+
+    def _launch_rest(self):
+        self._in_order.finish(self._param_of)
+
     def _apply(self, p, result):
+        if id(p) in self._filled:
+            self._filled.discard(id(p))
+            if not result.any():    # no agent had a gradient for it
+                p.grad = None
+                return
         p.grad.copy_(result)
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        for name, p in self._named:    # parameters without a gradient this step: nothing to average
-            if p.grad is not None and name not in self._handles:
-                self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
-        if not self._skip_sync:
+        if self._skip_sync:
+            self._rest_once()       # (the caller has synchronized, which started it)
+        else:
             self.synchronize()
         self._passes.clear()
         self.optimizer.step()

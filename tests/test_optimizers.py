@@ -29,6 +29,15 @@ def test_step_with_closure_equals_an_explicit_pass():
     run_agents(4, "opt_closure.py", timeout=120)
 
 
+@pytest.mark.parametrize("wrapper,comm", [("gar", "ar"), ("awc", "ar"), ("atc", "ar"), ("awc", "nar"),
+                                          ("atc", "nar")])
+def test_wrappers_with_data_dependent_branches_match_a_simulation(wrapper, comm):
+    """Agents take different branches of the model (and none takes one of them): the
+    allreduces still line up, synchronize() before step() starts the unused parameters
+    too, and the parameters equal a plain-torch simulation."""
+    run_agents(4, "opt_branches.py", wrapper, comm, timeout=120)
+
+
 def test_gradient_allreduce_with_adam_is_exact():
     run_agents(4, "opt_linear.py", "gar", "-", "adam", timeout=120)
 
