@@ -878,15 +878,34 @@ class Engine:
         return sorted({src for (src, key), q in self.stream.inbox.items()
                        if q and key in keys and (src, key) not in expected})
 
+    def _unjoined_collectives(self):
+        """{(kind, name): ranks} of the collectives that other agents have started
+        (their negotiation is in this agent's inbox) and this agent has not."""
+        found = {}
+        for (src, key), q in self.stream.inbox.items():
+            if q and key.__class__ is tuple and key[0] == "C" and key[1].__class__ is int \
+                    and key[1] >= self._coll_seq:
+                kind, name, _ = q[0].value
+                found.setdefault((kind, name), set()).add(src)
+        return found
+
     def _stray_hint(self, op):
         """For an op waiting for inputs: who sent inputs of its name that it does not
-        take (for its warning or timeout), or ''."""
+        take, and which collectives others wait in that this agent has not started
+        (for its warning or timeout), or ''."""
+        hint = ""
         strays = self._strays(op.wait) if isinstance(op.wait, Recv) else []
-        if not strays:
-            return ""
-        return (f"; ranks {strays} sent this agent data of that name which it does not take (their "
-                "next call's, or sends that do not match this call's sources: check that the senders' "
-                "dst_weights or pair_gossip target_rank agree with this agent's src_weights or target_rank)")
+        if strays:
+            hint = (f"; ranks {strays} sent this agent data of that name which it does not take (their "
+                    "next call's, or sends that do not match this call's sources: check that the senders' "
+                    "dst_weights or pair_gossip target_rank agree with this agent's src_weights or "
+                    "target_rank)")
+        for (kind, name), ranks in sorted(self._unjoined_collectives().items()):
+            check = (" (a topology check: enable_topo_check=True with dst_weights; every agent must call "
+                     "the operation in the same mode)" if kind.startswith("NEIGHBOR") else "")
+            hint += (f"; ranks {sorted(ranks)} wait in the collective {kind} {name!r}{check}, which this "
+                     "agent has not started")
+        return hint
 
     def _missing(self, op):
         w = op.wait

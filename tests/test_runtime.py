@@ -31,6 +31,13 @@ def test_stall_of_senders_and_receivers_that_disagree_names_the_unexpected_sende
     assert sorted(warned) == [(str(r), str((r + 1) % 4), str((r - 1) % 4)) for r in range(4)], out
 
 
+def test_stall_of_an_agent_that_skipped_a_collective_names_the_collective_the_others_wait_in():
+    """One agent calls neighbor_allreduce in static mode, the others with dst_weights
+    and the topology check (a collective it never joins)."""
+    run_agents(4, "runtime_stall.py", "unjoined", timeout=90,
+               env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "2.5"})
+
+
 def test_fatal_timeout_raises_on_waiting_agents():
     run_agents(4, "runtime_stall.py", "fatal", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
 

@@ -1,7 +1,8 @@
 """Rank 1 joins a neighbor_allreduce late: the others warn (naming the op and rank 1);
 with BLUEFOG_OP_TIMEOUT_S the stall becomes an exception on every waiting agent.
 Mode "mismatch": pair_gossip partners that do not pair up (warning and timeout
-name the rank that sent what the call does not take).
+name the rank that sent what the call does not take). Mode "unjoined": one agent
+skips a collective topology check that the others wait in (its timeout names it).
 
 Mode "sends": rank 0 sends 1 MB to rank 1 and receives nothing, and rank 1 takes it
 2.5 s late, twice: a blocking call (the quick path, which goes on in the loop for
@@ -57,6 +58,23 @@ elif mode == "mismatch":
     y = bf.pair_gossip(torch.ones(3) * rank, rank ^ 1, name="paired")
     assert torch.allclose(y, torch.full((3,), (rank + (rank ^ 1)) / 2)), y
     bf.barrier()
+elif mode == "unjoined":
+    # rank 1 calls in static mode, the others with dst_weights and the topology check
+    # (a collective): rank 1 waits for their data, they wait for rank 1 in the check
+    x = torch.ones(3) * rank
+    try:
+        if rank == 1:
+            bf.neighbor_allreduce(x, name="mixed.modes")
+        else:
+            bf.neighbor_allreduce(x, self_weight=0.5, src_weights={r: 0.5 / 2 for r in bf.in_neighbor_ranks()},
+                                  dst_weights=bf.out_neighbor_ranks(), enable_topo_check=True, name="mixed.modes")
+        raise AssertionError("expected a timeout")
+    except TimeoutError as e:
+        if rank == 1:
+            assert "wait in the collective NEIGHBOR_ALLREDUCE 'mixed.modes' (a topology check" in str(e), str(e)
+            assert f"waiting for ranks {bf.in_neighbor_ranks()}; ranks [0, 2, 3] wait" in str(e), str(e)
+        else:
+            assert "waiting for ranks [1]" in str(e), str(e)
 else:  # fatal: rank 1 never joins; everybody else must get a TimeoutError naming rank 1
     if rank != 1:
         try:
