@@ -377,9 +377,18 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def _grad_hook(self, name):
         def hook(p):
-            n = self._passes.get(name, 0) + 1
+            n, k = self._passes.get(name, 0) + 1, self.num_steps_per_communication
+            if n > k:
+                # The average of the first k passes is in flight: this gradient (already
+                # added to p.grad) cannot join it, and would be overwritten by it.
+                raise RuntimeError(
+                    f"parameter {name!r} received gradient {n} before step(), with "
+                    f"num_steps_per_communication={k}: DistributedGradientAllreduceOptimizer averages "
+                    f"the gradients of {k} backward pass(es) and then needs step(). Call step() after "
+                    "every k backward passes, or set num_steps_per_communication to the number of "
+                    "passes to accumulate")
             self._passes[name] = n
-            if n == self.num_steps_per_communication:
+            if n == k:
                 self._in_order.ready(name, p)
         return hook
 

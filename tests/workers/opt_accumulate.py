@@ -42,6 +42,30 @@ else:
 atc.synchronize()                         # the first pass's exchanges are in flight
 atc.remove_hooks()
 
+# Gradient allreduce: k passes accumulate (num_steps_per_communication=k); a pass
+# more before step() raises (it added to a gradient whose average is in flight, and
+# the average would have overwritten it).
+model.load_state_dict(ref.state_dict())
+gar = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                               num_steps_per_communication=2)
+plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+two_passes(model, gar)
+gar.step()
+two_passes(ref, plain)
+plain.step()
+for p, q in zip(model.parameters(), ref.parameters()):    # same data on both agents: the average is it
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+gar.remove_hooks()
+gar = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+try:
+    two_passes(model, gar)
+except RuntimeError as e:
+    assert "received gradient 2 before step(), with num_steps_per_communication=1" in str(e), e
+else:
+    raise AssertionError("gradient allreduce accepted a second backward pass before step()")
+gar.synchronize()                         # the first pass's averages are in flight
+gar.remove_hooks()
+
 # An optimizer parameter that is not in the model (a learnable scale): every wrapper
 # steps it locally, as the wrapped optimizer alone would.
 for make in (bf.DistributedAdaptThenCombineOptimizer, bf.DistributedAdaptWithCombineOptimizer,
