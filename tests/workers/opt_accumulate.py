@@ -1,6 +1,7 @@
 """Two backward passes before one step(): AWC steps on the summed gradient, like
 torch.optim; ATC, which has already applied and sent the first gradient, raises
-instead of silently dropping the second. Optimizer parameters outside the model are
+instead of silently dropping the second; gradient allreduce accumulates with
+num_steps_per_communication=2 and raises with 1. Optimizer parameters outside the model are
 stepped locally by every wrapper."""
 import torch
 
@@ -18,53 +19,43 @@ def two_passes(model, opt):
     model(x2).pow(2).sum().backward()
 
 
-torch.manual_seed(1)
-model = torch.nn.Linear(3, 2)
-ref = torch.nn.Linear(3, 2)
-ref.load_state_dict(model.state_dict())
-awc = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-plain = torch.optim.SGD(ref.parameters(), lr=0.1)
-two_passes(model, awc)
-awc.step()
-two_passes(ref, plain)
-plain.step()
-for p, q in zip(model.parameters(), ref.parameters()):
-    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
-awc.remove_hooks()
+def accumulates_like_sgd(make):
+    """Two passes, then step(): the same as plain SGD on the summed gradient."""
+    torch.manual_seed(1)
+    model, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    wrapped = make(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((model, wrapped), (ref, plain)):
+        two_passes(m, o)
+        o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):    # same data everywhere: the average is it
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    wrapped.remove_hooks()
 
-atc = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-try:
-    two_passes(model, atc)
-except RuntimeError as e:
-    assert "second gradient before step()" in str(e), e
-else:
-    raise AssertionError("ATC accepted a second backward pass before step()")
-atc.synchronize()                         # the first pass's exchanges are in flight
-atc.remove_hooks()
 
-# Gradient allreduce: k passes accumulate (num_steps_per_communication=k); a pass
-# more before step() raises (it added to a gradient whose average is in flight, and
-# the average would have overwritten it).
-model.load_state_dict(ref.state_dict())
-gar = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                               num_steps_per_communication=2)
-plain = torch.optim.SGD(ref.parameters(), lr=0.1)
-two_passes(model, gar)
-gar.step()
-two_passes(ref, plain)
-plain.step()
-for p, q in zip(model.parameters(), ref.parameters()):    # same data on both agents: the average is it
-    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
-gar.remove_hooks()
-gar = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-try:
-    two_passes(model, gar)
-except RuntimeError as e:
-    assert "received gradient 2 before step(), with num_steps_per_communication=1" in str(e), e
-else:
-    raise AssertionError("gradient allreduce accepted a second backward pass before step()")
-gar.synchronize()                         # the first pass's averages are in flight
-gar.remove_hooks()
+def refuses_a_second_pass(make, words):
+    model = torch.nn.Linear(3, 2)
+    wrapped = make(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    try:
+        two_passes(model, wrapped)
+    except RuntimeError as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"{make.__name__} accepted a second backward pass before step()")
+    wrapped.synchronize()                 # the first pass's communication is in flight
+    wrapped.remove_hooks()
+
+
+accumulates_like_sgd(bf.DistributedAdaptWithCombineOptimizer)
+refuses_a_second_pass(bf.DistributedAdaptThenCombineOptimizer, "second gradient before step()")
+# Gradient allreduce: k passes accumulate (num_steps_per_communication=k); a pass more
+# before step() raises (it added to a gradient whose average is in flight, and the
+# average would have overwritten it).
+accumulates_like_sgd(lambda opt, model: bf.DistributedGradientAllreduceOptimizer(
+    opt, model, num_steps_per_communication=2))
+refuses_a_second_pass(bf.DistributedGradientAllreduceOptimizer,
+                      "received gradient 2 before step(), with num_steps_per_communication=1")
 
 # An optimizer parameter that is not in the model (a learnable scale): every wrapper
 # steps it locally, as the wrapped optimizer alone would.
