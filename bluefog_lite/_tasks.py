@@ -232,7 +232,7 @@ def _reduced_in(dtype, average):
     narrow integers is summed in int64, where the sum cannot wrap."""
     if dtype in (torch.float16, torch.bfloat16):
         return torch.float32
-    if average and not dtype.is_floating_point and dtype != torch.int64:
+    if average and not (dtype.is_floating_point or dtype.is_complex) and dtype != torch.int64:
         return torch.int64
     return dtype
 
@@ -253,7 +253,7 @@ def allreduce(eng, op, x, average, target):
                                 lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
     if average:
         with _phase(op.name, "COMPUTE_AVERAGE"):
-            if out.is_floating_point():
+            if out.is_floating_point() or out.is_complex():
                 out.div_(eng.size)
             elif wide != dtype:
                 out = torch.div(out, eng.size, rounding_mode="floor")
@@ -570,7 +570,7 @@ def _cast_back(acc, x):
 def local_allreduce(eng, op, x, local_ranks, average):
     total = yield from _machine_sum(eng, op, x, local_ranks)
     if average:
-        if x.is_floating_point():
+        if x.is_floating_point() or x.is_complex():
             total.div_(len(local_ranks))
         else:
             total = torch.div(total, len(local_ranks), rounding_mode="floor")

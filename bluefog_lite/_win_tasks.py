@@ -32,7 +32,8 @@ from ._tasks import _phase, exchange_headers, scaled, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
-             torch.uint8: MPI.UINT8_T}
+             torch.uint8: MPI.UINT8_T, torch.complex64: MPI.C_FLOAT_COMPLEX,
+             torch.complex128: MPI.C_DOUBLE_COMPLEX}
 # MPI cannot add 16-bit floats (MPI_Accumulate): windows of float16 and bfloat16
 # tensors keep their buffers and exposed copy in float32 (twice the memory; sums
 # of many accumulates keep their precision), converted on the way in and out.
@@ -362,7 +363,7 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
         release(win, locked)
     if self_weight is not None:
         t = user_tensor.detach()
-        if t.is_floating_point():
+        if t.is_floating_point() or t.is_complex():
             t.mul_(self_weight)
         else:
             t.copy_(scaled(t, self_weight))

@@ -16,8 +16,8 @@ from ._engine import Fusable
 from ._runtime import plan_key, state
 from ._stream import plain
 
-_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
-              torch.int32, torch.int64, torch.uint8}
+_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+              torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 _name_counters = {}
 _caller = threading.local()     # .blocking: the op being enqueued is synchronized at once
 

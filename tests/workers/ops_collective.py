@@ -63,6 +63,21 @@ for dt, big, tol in ((torch.float16, 2048.0, 2.0 ** -10), (torch.bfloat16, 256.0
     local = bf.allreduce(xl, is_hierarchical_local=True, name=f"ar.half.local.{dt}")
     np.testing.assert_allclose(local.double().numpy(), q[MACHINE].mean(0), rtol=4 * tol, atol=tol)
 
+# complex: summed by MPI (C_FLOAT_COMPLEX / C_DOUBLE_COMPLEX), averaged like floats
+for dt, tol in ((np.complex128, 1e-12), (np.complex64, 1e-5)):
+    def cz(r):
+        return (data(r) + 1j * data(r + size)).astype(dt)
+    allz = np.stack([cz(r) for r in range(size)])
+    z = torch.from_numpy(cz(rank))
+    np.testing.assert_allclose(bf.allreduce(z, name=f"ar.cplx.{dt.__name__}").numpy(), allz.mean(0),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(bf.allreduce(z, average=False, name="ar.cplx.sum").numpy(), allz.sum(0),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(bf.allreduce(z, is_hierarchical_local=True, name="ar.cplx.local").numpy(),
+                               allz[MACHINE].mean(0), rtol=tol, atol=tol)
+    bf.allreduce_(z, name="ar.cplx.inplace")
+    np.testing.assert_allclose(z.numpy(), allz.mean(0), rtol=tol, atol=tol)
+
 # non-contiguous in-place
 xt = torch.from_numpy(data(rank, (3, 4))).t()
 bf.allreduce_(xt, name="ar.nc")

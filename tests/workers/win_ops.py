@@ -254,6 +254,19 @@ for dt, tol in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
     close(got.double(), sum(0.5 * everyone_h[s] for s in IN), 4 * tol)
     bf.barrier()
     bf.win_free(nm)
+
+# -- a complex window: graph weights, then accumulates (MPI sums C_DOUBLE_COMPLEX) --------------
+cz = {r: data(r, 17) + 1j * data(r, 18) for r in range(size)}
+c = torch.from_numpy(cz[rank].copy())
+bf.win_create(c, "cplx", zero_init=True)
+close(bf.win_update("cplx", clone=True), W[rank, rank] * cz[rank])
+bf.barrier()
+bf.win_accumulate(c, "cplx", dst_weights={d: 2.0 for d in bf.out_neighbor_ranks()})
+bf.win_accumulate(c, "cplx", self_weight=0.5)
+bf.barrier()
+close(bf.win_update_then_collect("cplx"), 0.5 * cz[rank] + sum(3.0 * cz[s] for s in IN))
+bf.barrier()
+bf.win_free("cplx")
 assert bf.set_topology(topo.ExponentialGraph(size))
 
 # -- a neighbor op may share its name with a window whose put is still in flight ------------------
