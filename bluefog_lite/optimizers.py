@@ -162,6 +162,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._apply(p, ops.synchronize(handle))
         self._handles.clear()
 
+    def _step_synchronize(self):
+        """step()'s synchronize; inside skip_synchronize() the caller has synchronized
+        already (which started the rest), or must: only the rest is started then."""
+        if self._skip_sync:
+            self._rest_once()
+        else:
+            self.synchronize()
+
     @contextlib.contextmanager
     def skip_synchronize(self):
         """Inside, step() does not synchronize (the caller did, with synchronize())."""
@@ -292,10 +300,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        if self._skip_sync:
-            self._rest_once()       # (the caller has synchronized, which started it)
-        else:
-            self.synchronize()
+        self._step_synchronize()
         self.optimizer.step()
         self._finish_step()
         return loss
@@ -345,10 +350,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             for p, group in self._extra:
                 if p.grad is not None:
                     self._local_step(p, p.grad, group, self.optimizer.state[p])
-        if self._skip_sync:
-            self._rest_once()       # (the caller has synchronized, which started it)
-        else:
-            self.synchronize()
+        self._step_synchronize()
         self._updated.clear()
         self._finish_step()
         return loss
@@ -412,10 +414,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        if self._skip_sync:
-            self._rest_once()       # (the caller has synchronized, which started it)
-        else:
-            self.synchronize()
+        self._step_synchronize()
         self._passes.clear()
         self.optimizer.step()
         self._finish_step()
