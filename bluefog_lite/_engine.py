@@ -885,8 +885,9 @@ class Engine:
         for (src, key), q in self.stream.inbox.items():
             if q and key.__class__ is tuple and key[0] == "C" and key[1].__class__ is int \
                     and key[1] >= self._coll_seq:
-                kind, name, _ = q[0].value
-                found.setdefault((kind, name), set()).add(src)
+                v = q[0].value     # (kind, name, payload): see _tasks.exchange_headers
+                if v.__class__ is tuple and len(v) == 3:
+                    found.setdefault((v[0], v[1]), set()).add(src)
         return found
 
     def _stray_hint(self, op):
