@@ -159,7 +159,8 @@ def _collective(kind, name, prepare):
     try:
         make_task = prepare()
     except (TypeError, ValueError) as exc:
-        return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, exc))
+        error = exc     # (exc itself is unbound when the except clause ends)
+        return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, error))
     return _submit(kind, name, make_task)
 
 
