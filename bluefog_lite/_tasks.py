@@ -7,7 +7,7 @@ validated by ops.py; the checks here are the ones only the received data allows
 """
 import torch
 
-from ._engine import Recv, Requests, Turn
+from ._waits import Recv, Requests, Turn
 from ._mpi import MPI
 from ._stream import MARKED_KINDS, Member, Outgoing, dtype_name, tensor_bytes
 from .timeline import _recorder as tl

@@ -25,7 +25,8 @@ import weakref
 import numpy as np
 import torch
 
-from ._engine import OpTimeout, Requests, Sleep, Turn
+from ._stalls import OpTimeout
+from ._waits import Requests, Sleep, Turn
 from ._mpi import MPI
 from ._stream import plain
 from ._tasks import _phase, exchange_headers, scaled, weighted_sum

@@ -9,7 +9,7 @@ import torch
 
 import bluefog_lite as bf
 import topology
-from bluefog_lite._engine import OpTimeout
+from bluefog_lite._stalls import OpTimeout
 from bluefog_lite._runtime import state
 
 K = 12

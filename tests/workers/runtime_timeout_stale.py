@@ -8,7 +8,7 @@ import torch
 
 import bluefog_lite as bf
 import topology
-from bluefog_lite._engine import OpTimeout
+from bluefog_lite._stalls import OpTimeout
 
 bf.init()
 r, n = bf.rank(), bf.size()

@@ -1,0 +1,145 @@
+"""The stall inspector: what an operation that waits too long is told.
+
+Every half second the loop looks at its active operations. One that has waited
+BLUEFOG_STALL_WARNING_S gets a warning naming the ranks it waits for; with
+BLUEFOG_OP_TIMEOUT_S set, one that has waited that long fails with OpTimeout,
+and the inputs it did not take are dropped (now, or when they come) so that
+they do not feed the next operation of its name. Both messages add hints at the
+cause: ranks that sent data of the name that the call does not take (senders
+and receivers that disagree), and collectives other agents wait in that this
+agent has not started.
+
+StallInspector is part of the Engine (its state is the engine's: the active
+operations, the inbox, the collective sequence).
+"""
+import sys
+
+from ._waits import Recv, Requests, Sleep, Turn
+
+
+class OpTimeout(TimeoutError):
+    """An operation waited longer than BLUEFOG_OP_TIMEOUT_S."""
+
+
+def _fused_with(op):
+    """' (fused with 'b', 'c')' for the lead of a fused group (messages name every member)."""
+    if not op.riders:
+        return ""
+    names = [r.name for r in op.riders]
+    shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f" (fused with {shown})"
+
+
+class StallInspector:
+    """The Engine's stall inspection and the clean-up after a timeout."""
+
+    def waiting_for_data(self):
+        """[(op, its wait, ranks whose data it lacks, waiting since)] for the active ops
+        that wait to receive. Safe to call from another thread: a snapshot that races
+        with the loop changing its state comes back empty (ask again later)."""
+        found = []
+        try:
+            for op in list(self._active):
+                wait = op.wait
+                if op.finished_task or not isinstance(wait, Recv):
+                    continue
+                missing = self._lacking(wait)
+                if missing:
+                    found.append((op, wait, missing, op.waiting_since))
+        except (RuntimeError, KeyError, IndexError, AttributeError):
+            return []
+        return found
+
+    def _lacking(self, wait):
+        """The ranks whose entry a Recv wait still lacks."""
+        return sorted({src for src, key in wait.keys if not self.stream.has(src, key)})
+
+    def _strays(self, wait):
+        """The ranks that sent this agent entries under the keys a Recv wait takes,
+        but not the ones it takes from them: unclaimed, they hint at senders and
+        receivers that disagree (or at a sender already on its next call)."""
+        keys, expected = {key for _, key in wait.keys}, set(wait.keys)
+        return sorted({src for (src, key), q in self.stream.inbox.items()
+                       if q and key in keys and (src, key) not in expected})
+
+    def _unjoined_collectives(self):
+        """{(kind, name): ranks} of the collectives that other agents have started
+        (their negotiation is in this agent's inbox) and this agent has not."""
+        found = {}
+        for (src, key), q in self.stream.inbox.items():
+            if q and key.__class__ is tuple and key[0] == "C" and key[1].__class__ is int \
+                    and key[1] >= self._coll_seq:
+                v = q[0].value     # (kind, name, payload): see _tasks.exchange_headers
+                if v.__class__ is tuple and len(v) == 3:
+                    found.setdefault((v[0], v[1]), set()).add(src)
+        return found
+
+    def _stray_hint(self, op):
+        """For an op waiting for inputs: who sent inputs of its name that it does not
+        take, and which collectives others wait in that this agent has not started
+        (for its warning or timeout), or ''."""
+        hint = ""
+        strays = self._strays(op.wait) if isinstance(op.wait, Recv) else []
+        if strays:
+            hint = (f"; ranks {strays} sent this agent data of that name which it does not take (their "
+                    "next call's, or sends that do not match this call's sources: check that the senders' "
+                    "dst_weights or pair_gossip target_rank agree with this agent's src_weights or "
+                    "target_rank)")
+        for (kind, name), ranks in sorted(self._unjoined_collectives().items()):
+            check = (" (a topology check: enable_topo_check=True with dst_weights; every agent must call "
+                     "the operation in the same mode)" if kind.startswith("NEIGHBOR") else "")
+            hint += (f"; ranks {sorted(ranks)} wait in the collective {kind} {name!r}{check}, which this "
+                     "agent has not started")
+        return hint
+
+    def _missing(self, op):
+        w = op.wait
+        if isinstance(w, Recv):
+            return self._lacking(w)
+        if isinstance(w, Turn):
+            return "an earlier collective operation"
+        if isinstance(w, Requests):
+            return f"unknown ranks (inside {w.what})"
+        if isinstance(w, Sleep):
+            return w.what
+        return "the completion of its own sends"
+
+    def _inspect_stalls(self, now):
+        for op in list(self._active):
+            waited = now - op.waiting_since
+            if not op.warned and waited > self.stall_warning_s:
+                op.warned = True
+                what = ("for the completion of its own sends (a receiver has not taken them)"
+                        if op.finished_task else
+                        f"for ranks {self._missing(op)} that have not joined it{self._stray_hint(op)}")
+                sys.stderr.write(
+                    f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
+                    f"waited {waited:.1f} s {what}\n")
+                sys.stderr.flush()
+            if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.finished_task:
+                op.error = OpTimeout(
+                    f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
+                    f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
+                    f"waiting for ranks {self._missing(op)}{self._stray_hint(op)}")
+                op.task.close()
+                if isinstance(op.wait, Recv):
+                    self.forget_inputs(op.wait.keys)
+                self._finish(op)
+
+    def forget_inputs(self, keys):
+        """A timed-out (or failed) op's inputs must not feed the next op of the same
+        name: drop the entries that arrived, and the ones still to come when they come."""
+        for key in keys:
+            entry = self.stream.take(*key)
+            if entry is not None:
+                entry.release()
+            else:
+                self._discard[key] += 1
+
+    def _drop_stale(self, key):
+        entry = self.stream.take(*key)
+        if entry is not None:
+            entry.release()
+            self._discard[key] -= 1
+            if self._discard[key] <= 0:
+                del self._discard[key]

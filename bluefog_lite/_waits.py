@@ -1,0 +1,36 @@
+"""What a task (a generator, see _tasks.py) yields to wait: the engine resumes it
+once the thing it names has happened. Recv waits for data from peers (resumed when
+it arrives); the others are polled every pass of the loop."""
+import time
+
+
+class Recv:
+    """Wait until one entry has arrived for each (src, key); resumes with the entries."""
+    __slots__ = ("keys",)
+
+    def __init__(self, keys):
+        self.keys = keys
+
+
+class Requests:
+    """Wait until MPI requests complete (nonblocking collectives)."""
+    __slots__ = ("reqs", "what")
+
+    def __init__(self, reqs, what="MPI collective"):
+        self.reqs, self.what = reqs, what
+
+
+class Turn:
+    """Wait until every earlier collective has posted its MPI call (MPI needs one order)."""
+    __slots__ = ("seq",)
+
+    def __init__(self, seq):
+        self.seq = seq
+
+
+class Sleep:
+    """Resume after ``seconds`` (a backoff that neither spins nor blocks the loop)."""
+    __slots__ = ("until", "what")
+
+    def __init__(self, seconds, what="a backoff"):
+        self.until, self.what = time.monotonic() + seconds, what
