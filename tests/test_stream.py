@@ -1,11 +1,10 @@
 """The packet format of _stream.py in one process (no MPI): what a receiver makes
 of the packets a sender builds."""
 import numpy as np
-
-from bluefog_lite._pool import BufferPool
 import torch
 
-from bluefog_lite._stream import _KIND_OBJECT, _KIND_TENSOR, Outgoing, StreamEndpoint, _header
+from bluefog_lite._pool import BufferPool
+from bluefog_lite._stream import _KIND_OBJECT, Outgoing, StreamEndpoint, _header
 
 
 class _Request:
