@@ -50,14 +50,15 @@ class _InOrder:
     soon as every parameter before it in the order has; finish() (in step())
     starts the rest. Where the hooks fire in the fixed order, nothing waits."""
 
-    def __init__(self, names, start, check):
-        self.order, self.start, self.check = names, start, check
+    def __init__(self, names, start, refuse):
+        """refuse(name) raises: the parameter became ready twice in one round."""
+        self.order, self.start, self.refuse = names, start, refuse
         self.next = 0           # index in order of the next parameter to start
         self.waiting = {}       # name -> param: ready, waiting for earlier ones
 
     def ready(self, name, p):
         if name in self.waiting:
-            self.check(name, waiting=True)
+            self.refuse(name)
         self.waiting[name] = p
         order, waiting = self.order, self.waiting
         while self.next < len(order) and order[self.next] in waiting:
@@ -141,10 +142,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _communicating(self):
         return self._steps % self.num_steps_per_communication == 0
 
-    def _check_no_pending(self, name, waiting=False):
-        if waiting or name in self._handles:
-            raise RuntimeError(f"parameter {name!r} already has communication in flight; call step() "
-                               "(or synchronize()) once per forward/backward pass")
+    def _check_no_pending(self, name):
+        if name in self._handles:
+            self._refuse_second_pass(name)
+
+    def _refuse_second_pass(self, name):
+        raise RuntimeError(f"parameter {name!r} already has communication in flight; call step() "
+                           "(or synchronize()) once per forward/backward pass")
 
     def _launch_rest(self):
         """Start the communication that the pass did not (parameters it did not use)."""
@@ -249,7 +253,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
         self.communication_type = communication_type
         if communication_type is CommunicationType.allreduce:
             names = [n for n, _ in self._named]
-            self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._check_no_pending)
+            self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass)
 
     def _launch(self, name, p):
         if self._in_order is not None:
@@ -373,7 +377,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication)
         self._passes = {}
         self._filled = set()        # ids of parameters given a zero gradient this step
-        self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._check_no_pending)
+        self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
 
