@@ -36,11 +36,12 @@ import torch
 
 from . import _tasks
 from ._mpi import MPI
-from ._stream import dtype_name
+from ._stream import STREAM_TAG, dtype_name, tensor_bytes
 from .timeline import _recorder as tl
 
 _yield = os.sched_yield
 _monotonic = time.monotonic
+_ANY_SOURCE = MPI.ANY_SOURCE
 
 
 class _Call:
@@ -86,7 +87,7 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
             ring(dst)
         out = torch.empty_like(x)
         keys = [(src, name) for src in recv_from]
-        entries = _wait(lambda: eng.held_take(keys), eng, min(eng.yield_window_s, _LONGEST_SPIN_S))
+        entries = _inputs(eng, keys, min(eng.yield_window_s, _LONGEST_SPIN_S))
         if entries is not None:
             s.stats["quick"] += 1
             for e in entries:
@@ -125,8 +126,8 @@ def _average(out, xa, self_weight, src_weights, entries):
 
 
 class _Sends(_Call):
-    """A large call, as _tasks._send_all sees an operation: its name and the
-    requests of its data messages."""
+    """A large call, as _tasks.average_of and Engine.continue_held see an
+    operation: its name and the requests of its data messages."""
     __slots__ = ("data_requests",)
 
     def __init__(self, name):
@@ -161,20 +162,43 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
 def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     """Send, receive and average while holding the loop: (out, None) when done, or
     (out, the task the loop finishes the call with)."""
-    name = call.name
-    _tasks._send_all(eng, call, name, x, send_plan)     # descriptors, then the data from x
+    name, s = call.name, eng.stream
+    meta = (dtype_name(x.dtype), tuple(x.shape))
+    raw = None
+    for dst, scale in send_plan:     # descriptors, then the data from x (or a scaled copy)
+        if scale is None:
+            if raw is None:
+                raw = tensor_bytes(x)
+            s.send_large(dst, name, meta, raw, x, call.data_requests)
+        else:
+            y = _tasks.scaled(x, scale)
+            s.send_large(dst, name, meta, tensor_bytes(y), y, call.data_requests)
     eng.ring_peers()
     out = torch.empty_like(x)
     keys = [(src, name) for src in recv_from]
     window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
-    entries = _wait(lambda: eng.held_take(keys), eng, window, large=True)
+    entries = _inputs(eng, keys, window, large=True)
     if entries is None:
         return out, lambda e, op: _tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
-    _tasks.average_of(call, x, out, self_weight, src_weights, entries)
-    reqs = [r for r, _ in call.data_requests]
-    if _wait(lambda: MPI.Request.Testall(reqs) or None, eng, window, large=True):
+    if _all_like(entries, meta):
+        try:
+            _tasks.weighted_sum(out, x, self_weight, [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
+        finally:
+            for e in entries:
+                e.release()
+    else:   # says which neighbor sent what
+        _tasks.average_of(call, x, out, self_weight, src_weights, entries)
+    if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left
+
+
+def _all_like(entries, meta):
+    """True if every entry is a tensor of this call's kind, dtype and shape."""
+    for e in entries:
+        if e.meta != meta or not e.is_tensor or e.sent_by is not None:
+            return False
+    return True
 
 
 def _result(out):
@@ -183,18 +207,37 @@ def _result(out):
     yield    # (a generator)
 
 
-def _wait(look, eng, window, large=False):
-    """look()'s first result that is not None, or None after window seconds or once
-    something else needs the loop (Engine.held_interrupted), yielding the CPU
-    between looks."""
-    found = look()
-    since = None
-    while found is None:
-        now = _monotonic()
-        if since is None:
-            since = now
-        elif now - since > window or eng.held_interrupted(large):
-            return None
+# A quick call gives up (the loop takes over) after its window, or once something
+# else needs the loop (Engine.held_interrupted). It yields the CPU between looks:
+# 4-8 agents share 2 cores, and the agents it waits for need them.
+
+def _inputs(eng, keys, window, large=False):
+    """The entries of keys (Engine.held_take), or None once the call gives up. A
+    look between yields first asks MPI whether any packet has come (or a posted
+    receive is pending) before it looks through the inbox: in a loop of blocking
+    calls the look runs on cold caches, where every Python call counts."""
+    found = eng.held_take(keys)
+    if found is not None:
+        return found
+    s = eng.stream
+    iprobe = s.comm.Iprobe
+    since = _monotonic()
+    while True:
         _yield()
-        found = look()
-    return found
+        if iprobe(_ANY_SOURCE, STREAM_TAG) or s.pending_recvs:
+            found = eng.held_take(keys)
+            if found is not None:
+                return found
+        if _monotonic() - since > window or eng.held_interrupted(large):
+            return None
+
+
+def _sent(eng, reqs, window):
+    """True once MPI has taken the data of every request, False if the call gives up."""
+    testall = MPI.Request.Testall
+    since = _monotonic()
+    while not testall(reqs):
+        if _monotonic() - since > window or eng.held_interrupted(True):
+            return False
+        _yield()
+    return True

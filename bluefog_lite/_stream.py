@@ -309,17 +309,42 @@ class StreamEndpoint:
                 box.pieces.append(_PADDING[padded - nbytes])
             box.inline_bytes += padded
             return
-        tag = _FIRST_DATA_TAG + self._next_tag[dst] % _DATA_TAGS
-        self._next_tag[dst] += 1
+        tag = self._data_tag(dst)
         # the tag goes in the body, so that the header repeats from call to call (_packed)
         box.entries.append((key, out.kind, out.meta, ("t", box.inline_bytes, nbytes)))
         box.pieces.append(_tag_piece(tag))
         box.inline_bytes += _ALIGN
         # The descriptor must be posted before the data so the receiver learns the tag.
         self.flush_one(dst)
+        self._send_data(dst, tag, out.raw, out.tensor, data_requests)
+
+    def send_large(self, dst, key, meta, raw, tensor, data_requests):
+        """A large tensor (dtype and shape ``meta``, bytes ``raw``) to dst as
+        queue_tensor and flush_one send it: what is queued for dst, its
+        descriptor packet, then its data (request appended to data_requests)."""
+        if dst in self.outboxes:     # what was queued before goes first
+            self.flush_one(dst)
+        tag = self._data_tag(dst)
+        entries = ((key, _KIND_TENSOR, meta, ("t", 0, raw.nbytes)),)
+        head = self._packed_headers.get(entries)
+        if head is None:
+            head = self._packed(list(entries))     # (the header pickles a list, as flush_one's)
+        self.send_packet(dst, head + _tag_piece(tag))
+        self.to_ring.add(dst)
+        self._send_data(dst, tag, raw, tensor, data_requests)
+
+    def _data_tag(self, dst):
+        """The next private tag of a large message to dst."""
+        n = self._next_tag[dst]
+        self._next_tag[dst] = n + 1
+        return _FIRST_DATA_TAG + n % _DATA_TAGS
+
+    def _send_data(self, dst, tag, raw, tensor, data_requests):
+        """The data message of a large entry whose descriptor is sent; tensor is kept
+        alive with its request until MPI has read it."""
         self.urgent.add(dst)
         self.stats["data_messages"] += 1
-        data_requests.append((self.comm.Isend([out.raw, nbytes, MPI.BYTE], dst, tag), out.tensor))
+        data_requests.append((self.comm.Isend([raw, raw.nbytes, MPI.BYTE], dst, tag), tensor))
 
     def queue_object(self, dst, key, obj):
         box = self.outboxes.get(dst)
