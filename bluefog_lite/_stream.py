@@ -382,15 +382,58 @@ class StreamEndpoint:
         self.sent_packets.append((req, packet))
         return req
 
-    def small_packet(self, key, meta, raw):
-        """The packet of one small tensor (dtype and shape ``meta``, bytes ``raw``)
-        under key, as flush_one would build it; each (key, meta)'s header is made once."""
+    def small_head(self, key, meta, nbytes):
+        """The header of the packet of one small tensor (dtype and shape ``meta``,
+        ``nbytes`` bytes) under key, as flush_one would build it; each (key, meta)'s
+        is made once."""
         head = self._headers.get((key, meta))
         if head is None:
             head = _remember(self._headers, (key, meta),
-                             b"".join(_header([_inline_entry(key, _KIND_TENSOR, meta, 0, raw.nbytes)])))
+                             b"".join(_header([_inline_entry(key, _KIND_TENSOR, meta, 0, nbytes)])))
+        return head
+
+    def small_packet(self, key, meta, raw):
+        """The packet of one small tensor (see small_head), bytes ``raw``."""
         n = raw.nbytes
-        return b"".join((head, raw, _PADDING[_aligned(n) - n]))
+        return b"".join((self.small_head(key, meta, n), raw, _PADDING[_aligned(n) - n]))
+
+    @staticmethod
+    def small_size(head, nbytes):
+        """The length of a small packet with this header and payload."""
+        return len(head) + _aligned(nbytes)
+
+    def receive_small(self, status, key, head, size, wanted, found):
+        """Receive what has arrived, as receive() does, except the packets that are
+        exactly one small tensor under key with this header (``head``, ``size``
+        bytes in all) from a rank in ``wanted``, the first under (rank, key): those
+        go to found as (rank, packet), their ranks leave wanted, and the caller
+        reads them without an Entry (the tensor's bytes start at len(head)). False
+        if a packet under key from a rank in wanted was not such a packet (then
+        put_back found: the caller goes the general way)."""
+        improbe, inbox = self.comm.Improbe, self.inbox
+        regular = True
+        msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
+        while msg is not None:
+            packet = np.empty(status.Get_count(_BYTE), dtype=np.uint8)
+            msg.Recv([packet, _BYTE])
+            src = status.Get_source()
+            if (src in wanted and packet.size == size and not inbox.get((src, key))
+                    and packet[:len(head)].tobytes() == head):
+                found.append((src, packet))
+                wanted.discard(src)
+            else:
+                self._unpack(src, packet)
+                if src in wanted and inbox.get((src, key)):
+                    regular = False
+            msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
+        return regular
+
+    def put_back(self, found, key):
+        """File the packets receive_small put in found in the inbox, each first under
+        its (rank, key), as receive() would have."""
+        for src, packet in found:
+            self._unpack(src, packet)
+            self.inbox[(src, key)].rotate(1)     # (anything filed under it came later)
 
     def flush_all(self):
         sent = False

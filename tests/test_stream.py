@@ -78,3 +78,71 @@ def test_large_tensor_descriptors_repeat_their_header_and_carry_each_tag_in_the_
     assert [large.nbytes for large in receiver.unposted] == [1 << 17] * 3
     assert len(receiver._unpickled) == 1             # unpickled once
     assert [float(e.array[0]) for e in receiver.inbox[(5, "s")]] == [0.0, 1.0, 2.0]
+
+
+class _Status:
+    def __init__(self):
+        self.source = self.count = None
+
+    def Get_source(self):
+        return self.source
+
+    def Get_count(self, datatype):
+        return self.count
+
+
+class _Message:
+    def __init__(self, data):
+        self.data = data
+
+    def Recv(self, buf):
+        buf[0][:] = np.frombuffer(self.data, np.uint8)
+
+
+class InboundComm:
+    """Stands in for the communicator of a receiver: hands out queued packets."""
+
+    def __init__(self, packets):
+        self.packets = list(packets)      # (src, bytes), in arrival order
+
+    def Improbe(self, source, tag, status):
+        if not self.packets:
+            return None
+        status.source, data = self.packets.pop(0)
+        status.count = len(data)
+        return _Message(data)
+
+
+def test_receive_small_takes_the_expected_packets_and_files_everything_else():
+    maker = endpoint()
+    meta = ("float32", (4,))
+    x = {src: np.arange(4, dtype=np.float32) + 10 * src for src in range(1, 5)}
+    packets = [
+        (3, maker.small_packet("v", meta, x[3])),                 # another name
+        (1, maker.small_packet("w", meta, x[1])),                 # expected
+        (1, maker.small_packet("w", meta, x[1] * 2)),             # rank 1's next round
+        (4, maker.small_packet("w", ("float32", (2,)), x[4][:2])),  # not from a wanted rank
+    ]
+    s = endpoint(InboundComm(packets))
+    head = s.small_head("w", meta, 16)
+    wanted, found = {1, 2}, []
+    assert s.receive_small(_Status(), "w", head, s.small_size(head, 16), wanted, found)
+    assert wanted == {2} and [src for src, _ in found] == [1]
+    assert np.array_equal(np.ndarray((4,), np.float32, found[0][1], len(head)), x[1])
+    assert [float(e.array[0]) for e in s.inbox[(1, "w")]] == [20.0]     # filed: rank 1 was no longer wanted
+    assert (3, "v") in s.inbox and (4, "w") in s.inbox
+    s.put_back(found, "w")      # the call goes the general way: first things first
+    assert [float(e.array[0]) for e in s.inbox[(1, "w")]] == [10.0, 20.0]
+
+
+def test_receive_small_says_when_a_wanted_rank_sent_something_else_under_the_name():
+    maker = endpoint()
+    meta = ("float32", (4,))
+    packets = [(2, maker.small_packet("w", ("float32", (5,)), np.ones(5, np.float32))),
+               (1, maker.small_packet("w", meta, np.ones(4, np.float32)))]
+    s = endpoint(InboundComm(packets))
+    head = s.small_head("w", meta, 16)
+    wanted, found = {1, 2}, []
+    assert not s.receive_small(_Status(), "w", head, s.small_size(head, 16), wanted, found)
+    assert wanted == {2} and [src for src, _ in found] == [1]
+    assert s.inbox[(2, "w")][0].meta == ("float32", (5,))    # for the general path's message
