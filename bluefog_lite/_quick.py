@@ -231,25 +231,10 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     entries = _inputs(eng, keys, window)
     if entries is None:
         return out, lambda e, op: _tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
-    if _all_like(entries, meta):
-        try:
-            _tasks.weighted_sum(out, x, self_weight, [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
-        finally:
-            for e in entries:
-                e.release()
-    else:   # says which neighbor sent what
-        _tasks.average_of(call, x, out, self_weight, src_weights, entries)
+    _tasks.average_of(call, x, out, self_weight, src_weights, entries)
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left
-
-
-def _all_like(entries, meta):
-    """True if every entry is a tensor of this call's kind, dtype and shape."""
-    for e in entries:
-        if e.meta != meta or not e.is_tensor or e.sent_by is not None:
-            return False
-    return True
 
 
 def _result(out):
