@@ -227,11 +227,14 @@ def _collective_call(eng, op, nonempty, post, what):
             yield Requests([req], what)
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
 def _reduced_in(dtype, average):
     """The dtype allreduce sums in: MPI has no sum of 16-bit floats, so float16 and
     bfloat16 are summed in float32 (and rounded once, at the end); an average of
     narrow integers is summed in int64, where the sum cannot wrap."""
-    if dtype in (torch.float16, torch.bfloat16):
+    if dtype in _HALVES:
         return torch.float32
     if average and not (dtype.is_floating_point or dtype.is_complex) and dtype != torch.int64:
         return torch.int64
@@ -539,11 +542,12 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
 
 def _machine_sum(eng, op, x, local_ranks):
     """The sum of x over the agents of this machine, added in rank order so that
-    every local agent gets bitwise the same value (float64 for integer inputs)."""
+    every local agent gets bitwise the same value: in float32 for 16-bit floats (as
+    allreduce adds them), float64 for integers."""
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        total = torch.zeros(x.shape, dtype=_sum_dtype(x))
+        total = torch.zeros(x.shape, dtype=torch.float32 if x.dtype in _HALVES else _sum_dtype(x))
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, x, [(r, None) for r in peers])
         local = yield Recv([(r, key) for r in peers])
@@ -565,7 +569,10 @@ def _sum_dtype(x):
 
 
 def _cast_back(acc, x):
-    return acc if acc.dtype == x.dtype else acc.round_().to(x.dtype)
+    """acc (a wider sum) in x's dtype: rounded to the nearest integer for integers."""
+    if acc.dtype == x.dtype:
+        return acc
+    return acc.to(x.dtype) if x.is_floating_point() else acc.round_().to(x.dtype)
 
 
 def local_allreduce(eng, op, x, local_ranks, average):
@@ -597,6 +604,10 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             eng.send_object(dst, key, note)
         eng.forget_inputs([(src, key) for src in recv_from])
         raise
+    if x.is_floating_point() and machine_sum.dtype != x.dtype:
+        # a 16-bit float sum, added in float32, rounded once: machines exchange and
+        # average it in the tensor's dtype, as neighbor operations do
+        machine_sum = machine_sum.to(x.dtype)
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
         remote = yield Recv([(src, key) for src in recv_from])

@@ -27,6 +27,23 @@ machine_mean = [np.mean([data(mm * per + l) for l in range(per)], axis=0) for mm
 y = bf.allreduce(torch.from_numpy(data(rank)), is_hierarchical_local=True, name="local")
 np.testing.assert_allclose(y.numpy(), machine_mean[m], rtol=1e-12)
 
+# 16-bit floats: the machine sum is added in float32 and rounded once (as allreduce
+# does). Each machine's first agent holds big, the others 1: each 1 alone is below
+# half the spacing at big, so adding in the 16-bit dtype would leave big unchanged
+# (with 2 agents per machine one rounding either way: the same result).
+for dt, big in ((torch.float16, 2048.0), (torch.bfloat16, 256.0)):
+    one = torch.full((3,), big if rank % per == 0 else 1.0, dtype=dt)
+    exact = torch.full((3,), big + per - 1, dtype=torch.float32).to(dt)
+    assert per <= 2 or exact.tolist() != [big] * 3
+    got = bf.allreduce(one, average=False, is_hierarchical_local=True, name=f"local.half.{dt}")
+    assert got.dtype == dt and torch.equal(got, exact), (dt, got, exact)
+    got = bf.allreduce(one, is_hierarchical_local=True, name=f"local.half.mean.{dt}")
+    mean = torch.full((3,), (big + per - 1) / per, dtype=torch.float32).to(dt)
+    assert got.dtype == dt and torch.equal(got, mean), (dt, got, mean)
+    # every machine holds the same sum, so any convex mix of machine sums is that sum
+    got = bf.hierarchical_neighbor_allreduce(one, name=f"hna.half.{dt}")
+    assert got.dtype == dt and torch.equal(got, (exact.float() / per).to(dt)), (dt, got)
+
 # static machine topology (Exp-2 over machines, uniform weights)
 W = topo.mixing_matrix(topo.ExponentialGraph(M))
 A = (W > 0).astype(float)
