@@ -252,6 +252,11 @@ class Engine(StallInspector):
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
                              f"still in flight: {sorted(self._names)}\n")
             return
+        try:
+            self.report_untaken(self._caller_status)
+        except Exception as exc:    # a diagnostic must not break shutdown
+            sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): could not check for untaken "
+                             f"data at shutdown: {exc!r}\n")
         self.doorbell.close()
         self.comm.Free()
 

@@ -7,7 +7,8 @@ and the inputs it did not take are dropped (now, or when they come) so that
 they do not feed the next operation of its name. Both messages add hints at the
 cause: ranks that sent data of the name that the call does not take (senders
 and receivers that disagree), and collectives other agents wait in that this
-agent has not started.
+agent has not started. At shutdown, data that no operation took is reported
+(report_untaken).
 
 StallInspector is part of the Engine (its state is the engine's: the active
 operations, the inbox, the collective sequence).
@@ -28,6 +29,16 @@ def _fused_with(op):
     names = [r.name for r in op.riders]
     shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return f" (fused with {shown})"
+
+
+def _name_of(key, entry):
+    """The operation name of an inbox key: the name, a (name, part) pair's name, or
+    for a collective's negotiation ("C", seq) the name it carries."""
+    if key.__class__ is str:
+        return key
+    if key[0] == "C" and entry.value.__class__ is tuple and len(entry.value) == 3:
+        return entry.value[1]      # (kind, name, payload): see _tasks.exchange_headers
+    return key[0]
 
 
 class StallInspector:
@@ -135,6 +146,36 @@ class StallInspector:
                 entry.release()
             else:
                 self._discard[key] += 1
+
+    def report_untaken(self, status):
+        """At shutdown, once the loop has stopped: warn about data still in the inbox,
+        which no operation of this agent took (after a last look for packets that
+        have come). Its senders and this agent disagreed about who receives what;
+        a later operation of the same name would have taken it as its own. Best
+        effort: data still on its way is not seen."""
+        s = self.stream
+        s.receive(status)
+        arrived, s.arrived = s.arrived, []
+        for key in arrived:
+            if key in self._discard:
+                self._drop_stale(key)      # a timed-out operation's late input
+        untaken = {}
+        for (src, key), q in s.inbox.items():
+            if q:
+                label = (src, _name_of(key, q[0]))
+                untaken[label] = untaken.get(label, 0) + len(q)
+        if not untaken:
+            return
+        listing = ", ".join(f"{n} from rank {src} under {name!r}" for (src, name), n in sorted(
+            untaken.items(), key=repr)[:8]) + (" ..." if len(untaken) > 8 else "")
+        sys.stderr.write(
+            f"bluefog_lite WARNING (rank {self.rank}): at shutdown, data sent to this agent that no "
+            f"operation took: {listing}. Its senders and this agent disagreed about who receives what "
+            "(dynamic dst_weights that do not match the receivers' src_weights with enable_topo_check="
+            "False, pair_gossip targets that do not pair up, a call in static mode on some agents and "
+            "dynamic on others), or this agent never made that call (it failed or timed out elsewhere); "
+            "a later operation of the same name would have taken it as its own\n")
+        sys.stderr.flush()
 
     def _drop_stale(self, key):
         entry = self.stream.take(*key)

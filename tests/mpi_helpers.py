@@ -11,11 +11,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 
 
-def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
+UNTAKEN = "data sent to this agent that no operation took"    # the shutdown warning (_stalls.py)
+
+
+def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True, untaken_ok=False):
     """Run tests/workers/<script> (or a path) on nprocs agents.
 
     Returns (returncode, combined output). A job that does not finish within
-    timeout is killed and reported as a failed test, never a hung suite."""
+    timeout is killed and reported as a failed test, never a hung suite. Unless
+    untaken_ok, a successful job must not leave data that no operation took."""
     path = script if os.path.isabs(script) else os.path.join(WORKERS, script)
     cmd = [default_mpiexec(), "-n", str(nprocs), sys.executable, path, *map(str, args)]
     full_env = dict(os.environ)
@@ -27,6 +31,7 @@ def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True):
         assert code == 0, f"{script} on {nprocs} agents failed ({code}):\n{out[-6000:]}"
         oks = len(set(re.findall(r"AGENT OK (\d+)", out)))
         assert oks == nprocs, f"only {oks}/{nprocs} agents reported success:\n{out[-6000:]}"
+        assert untaken_ok or UNTAKEN not in out, f"{script} on {nprocs} agents left data untaken:\n{out[-6000:]}"
     return code, out
 
 

@@ -29,7 +29,7 @@ import torch
 
 import topology
 
-from mpi_helpers import REPO, run_agents
+from mpi_helpers import REPO, UNTAKEN, run_agents
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
 import _logistic  # noqa: E402  (the examples' data recipe)
@@ -193,6 +193,7 @@ def _bfrun(args, timeout):
         out, _ = proc.communicate()
         pytest.fail(f"{args} did not finish in {timeout} s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-4000:]
+    assert UNTAKEN not in out, out[-4000:]
     return out
 
 

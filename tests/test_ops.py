@@ -45,7 +45,8 @@ def test_fused_groups_match_numpy_when_agents_group_differently(n):
 
 
 def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
-    run_agents(4, "ops_failed_sends.py", timeout=90, env={"BLUEFOG_STALL_WARNING_S": "30"})
+    # (the receiver that never comes is told at shutdown)
+    run_agents(4, "ops_failed_sends.py", timeout=90, untaken_ok=True, env={"BLUEFOG_STALL_WARNING_S": "30"})
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])

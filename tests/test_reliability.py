@@ -24,7 +24,7 @@ import time
 import pytest
 
 from bluefog_lite.timeline._reader import metadata, read_events, read_spans
-from mpi_helpers import REPO, WORKERS, run_agents
+from mpi_helpers import REPO, UNTAKEN, WORKERS, run_agents
 
 N = 4
 JOB_LIMIT_S = 30.0
@@ -605,3 +605,13 @@ def test_soak_nothing_grows_and_nothing_drifts():
     summaries = re.findall(r"^SOAK SUMMARY \d: (.*)$", out, re.M)
     assert sum("distance to the average" in s for s in summaries) == N, out[-3000:]
     assert sum("accumulates per agent all counted" in s for s in summaries) == N, out[-3000:]
+
+
+def test_data_no_operation_took_is_reported_at_shutdown():
+    """A send nobody receives (dynamic weights that disagree, the topology check off)
+    is named at shutdown by the agent it was sent to, and only there."""
+    _, out = run_agents(4, "ops_untaken.py", timeout=90, untaken_ok=True)
+    warnings = [line for line in out.splitlines() if UNTAKEN in line]
+    assert len(warnings) == 1, out[-3000:]
+    assert "(rank 1)" in warnings[0] and "1 from rank 0 under 'stray'" in warnings[0], warnings
+    assert "enable_topo_check=False" in warnings[0], warnings
