@@ -569,7 +569,7 @@ class Engine(StallInspector):
         burst of them (an optimizer launching every parameter's communication). Yield
         while the queue grows, at most ~0.2 ms, so that the burst runs as one group,
         cut the same way on every agent (a group that crosses a neighbor's boundary
-        must be gathered with a copy, _tasks._joined). A lone call costs one yield."""
+        must be gathered with a copy, _neighbor_tasks._joined). A lone call costs one yield."""
         n, t0 = len(q), _monotonic()
         while True:
             _yield()

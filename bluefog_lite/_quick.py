@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from . import _tasks
+from . import _neighbor_tasks
 from ._mpi import MPI
 from ._stream import STREAM_TAG, dtype_name, tensor_bytes
 from .timeline import _recorder as tl
@@ -50,7 +50,7 @@ _status = MPI.Status()    # for the caller holding the loop (one at a time)
 
 
 class _Call:
-    """The kind and name of a quick call, for the messages of _tasks.average_of."""
+    """The kind and name of a quick call, for the messages of _neighbor_tasks.average_of."""
     __slots__ = ("name",)
     kind = "NEIGHBOR_ALLREDUCE"
 
@@ -101,10 +101,10 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
         entries = eng.held_take(keys)    # all in, but not all as expected: the checks say which
         if entries is not None:
             s.stats["quick"] += 1
-            return _tasks.average_of(_Call(name), x, out, self_weight, src_weights, entries)
+            return _neighbor_tasks.average_of(_Call(name), x, out, self_weight, src_weights, entries)
         s.stats["quick_continued"] += 1
         held = False    # continue_held lets go
-        handle = eng.continue_held(name, _Call.kind, lambda e, op: _tasks.neighbor_allreduce_rest(
+        handle = eng.continue_held(name, _Call.kind, lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(
             e, op, x, out, self_weight, src_weights, keys))
     finally:
         if held:
@@ -177,7 +177,7 @@ def _average(out, xa, self_weight, weights, arrays):
 
 
 class _Sends(_Call):
-    """A large call, as _tasks.average_of and Engine.continue_held see an
+    """A large call, as _neighbor_tasks.average_of and Engine.continue_held see an
     operation: its name and the requests of its data messages."""
     __slots__ = ("data_requests",)
 
@@ -222,7 +222,7 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
                 raw = tensor_bytes(x)
             s.send_large(dst, name, meta, raw, x, call.data_requests)
         else:
-            y = _tasks.scaled(x, scale)
+            y = _neighbor_tasks.scaled(x, scale)
             s.send_large(dst, name, meta, tensor_bytes(y), y, call.data_requests)
     eng.ring_peers()
     out = torch.empty_like(x)
@@ -230,8 +230,8 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
     entries = _inputs(eng, keys, window)
     if entries is None:
-        return out, lambda e, op: _tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
-    _tasks.average_of(call, x, out, self_weight, src_weights, entries)
+        return out, lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
+    _neighbor_tasks.average_of(call, x, out, self_weight, src_weights, entries)
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left

@@ -29,7 +29,8 @@ from ._stalls import OpTimeout
 from ._waits import Requests, Sleep, Turn
 from ._mpi import MPI
 from ._stream import plain
-from ._tasks import _phase, exchange_headers, scaled, weighted_sum
+from ._neighbor_tasks import scaled
+from ._tasks import _phase, exchange_headers, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,

@@ -2,7 +2,7 @@
 
 Every operation has a ``*_nonblocking`` form that returns a handle; the blocking
 form is ``synchronize(<nonblocking form>)``. The MPI part runs on the
-communication thread (_engine.py, _tasks.py), or, for a blocking call while the
+communication thread (_engine.py, _collective_tasks.py, _neighbor_tasks.py), or, for a blocking call while the
 thread sleeps and the timeline is off, on the caller (Engine._drive_until).
 """
 import math
@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from . import _quick, _tasks
+from . import _collective_tasks, _neighbor_tasks, _quick, _tasks
 from ._engine import Fusable
 from ._runtime import plan_key, state
 from ._stream import plain
@@ -228,12 +228,12 @@ def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, nam
         except (TypeError, ValueError) as exc:
             peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
             return _refuse("ALLREDUCE", name, exc, peers, peers)
-        return _submit("ALLREDUCE", name, lambda e, op: _tasks.local_allreduce(
+        return _submit("ALLREDUCE", name, lambda e, op: _neighbor_tasks.local_allreduce(
             e, op, x, st.local_ranks, average))
 
     def prepare():
         x = _reducible(_tensor(tensor), "ALLREDUCE")
-        return lambda e, op: _tasks.allreduce(e, op, x, average, None)
+        return lambda e, op: _collective_tasks.allreduce(e, op, x, average, None)
     return _collective("ALLREDUCE", name, prepare)
 
 
@@ -250,14 +250,14 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
         st = state()
 
         def task(e, op):
-            out = yield from _tasks.local_allreduce(e, op, x, st.local_ranks, average)
+            out = yield from _neighbor_tasks.local_allreduce(e, op, x, st.local_ranks, average)
             return tensor.detach().copy_(out)
         return _submit("ALLREDUCE", name, task)
 
     def prepare():
         x = _reducible(_tensor(tensor), "ALLREDUCE")
         _writable(tensor, "allreduce_")
-        return lambda e, op: _tasks.allreduce(e, op, x, average, tensor.detach())
+        return lambda e, op: _collective_tasks.allreduce(e, op, x, average, tensor.detach())
     return _collective("ALLREDUCE", name, prepare)
 
 
@@ -271,7 +271,7 @@ def broadcast_nonblocking(tensor, root_rank, name=None):
     def prepare():
         x = _tensor(tensor)
         root = _rank(root_rank, "root_rank", state().size)
-        return lambda e, op: _tasks.broadcast(e, op, x, root, None)
+        return lambda e, op: _collective_tasks.broadcast(e, op, x, root, None)
     return _collective("BROADCAST", name, prepare)
 
 
@@ -286,7 +286,7 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
         x = _tensor(tensor)
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
-        return lambda e, op: _tasks.broadcast(e, op, x, root, tensor.detach())
+        return lambda e, op: _collective_tasks.broadcast(e, op, x, root, tensor.detach())
     return _collective("BROADCAST", name, prepare)
 
 
@@ -301,7 +301,7 @@ def allgather_nonblocking(tensor, name=None):
         x = _tensor(tensor)
         if x.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
-        return lambda e, op: _tasks.allgather(e, op, x)
+        return lambda e, op: _collective_tasks.allgather(e, op, x)
     return _collective("ALLGATHER", name, prepare)
 
 
@@ -420,8 +420,8 @@ def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check):
         key = (x.dtype, topo.default_plan_key if plan is topo.default_plan[2] else
                plan_key(sw, srcw, plan, recv_from))
         fuse = Fusable(key, x.numel() * x.element_size(), x, lambda e, lead, members: (
-            _tasks.neighbor_allreduce_fused(e, lead, members, sw, srcw, plan, recv_from)))
-    return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _tasks.neighbor_allreduce(
+            _neighbor_tasks.neighbor_allreduce_fused(e, lead, members, sw, srcw, plan, recv_from)))
+    return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _neighbor_tasks.neighbor_allreduce(
         e, op, x, sw, srcw, plan, recv_from, check), fuse)
 
 
@@ -447,7 +447,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
         sends, recvs = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
                        [(r, name) for r in recvs], negotiate=check)
-    return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _tasks.neighbor_allgather(
+    return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _neighbor_tasks.neighbor_allgather(
         e, op, x, list(send_to), list(recv_from), check))
 
 
@@ -485,7 +485,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
     recv_from = [to_rank(m) for m in recv_from]
     check = bool(enable_topo_check) and dynamic
     return _submit("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name,
-                   lambda e, op: _tasks.hierarchical_neighbor_allreduce(
+                   lambda e, op: _neighbor_tasks.hierarchical_neighbor_allreduce(
                        e, op, x, st.local_ranks, sw, srcw, plan, recv_from, check))
 
 
@@ -511,7 +511,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
     except (TypeError, ValueError) as exc:
         pair = [(r, name) for r in _ranks_named([target_rank], st.size, st.rank)]
         return _refuse("PAIR_GOSSIP", name, exc, pair, pair)
-    return _submit("PAIR_GOSSIP", name, lambda e, op: _tasks.pair_gossip(e, op, x, target, sw, pw))
+    return _submit("PAIR_GOSSIP", name, lambda e, op: _neighbor_tasks.pair_gossip(e, op, x, target, sw, pw))
 
 
 def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=None):

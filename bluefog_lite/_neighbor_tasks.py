@@ -1,0 +1,317 @@
+"""The tasks of the neighbor operations: neighbor_allreduce (alone or fused with
+others of one plan), neighbor_allgather, pair_gossip, and the machine-local ones
+(local allreduce, hierarchical_neighbor_allreduce). Each sends its tensor to its
+destinations, waits for its sources' (Recv), checks them and averages."""
+import torch
+
+from ._stream import Member, Outgoing
+from ._tasks import (_HALVES, BadInput, _check_same, _describe, _meta, _phase, _raise_if_refused,
+                     _raise_other_kind, _release, exchange_headers, weighted_sum)
+from ._waits import Recv
+from .timeline import _recorder as tl
+
+
+def _topology_check(eng, op, sends, recvs):
+    """Every send must have a matching receive and vice versa (collective)."""
+    views = yield from exchange_headers(eng, op, (sorted(sends), sorted(recvs)))
+    eng.posted_collective(op)
+    problems = []
+    for i, (s_i, _) in enumerate(views):
+        for j in s_i:
+            if i not in views[j][1]:
+                problems.append(f"rank {i} sends to rank {j} but rank {j} does not receive from it")
+    for j, (_, r_j) in enumerate(views):
+        for i in r_j:
+            if j not in views[i][0]:
+                problems.append(f"rank {j} receives from rank {i} but rank {i} does not send to it")
+    if problems:
+        raise ValueError(f"{op.kind} {op.name!r}: send/receive ranks do not match across agents: "
+                         + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+
+
+def _send_all(eng, op, key, x, send_plan, members=None):
+    """Send x to every (dst, scale) of the plan (scaled copies where scale is not None)."""
+    same = None
+    for dst, scale in send_plan:
+        if scale is None:
+            if same is None:
+                same = Outgoing(x, members)
+            eng.send_tensor(op, dst, key, same)
+        else:
+            eng.send_tensor(op, dst, key, Outgoing(scaled(x, scale), members))
+    if members is None:     # a fused group marks each member's row itself
+        _mark_sends(op.name, (dst for dst, _ in send_plan))
+
+
+_SEND_TO = {}    # tuple of destination ranks -> its "SEND_TO r1,r2" activity
+
+
+def _mark_sends(names, dsts):
+    """Timeline: an instant "SEND_TO r1,r2" on the row of each operation in names (a
+    name or a list), the ranks the call sent to (bftimeline draws its send -> receive
+    arrows from it). dsts may be a generator: nothing is built while the timeline is off."""
+    rec = tl.current
+    if rec is None:
+        return
+    dsts = tuple(dsts)
+    if not dsts:        # nothing was sent
+        return
+    activity = _SEND_TO.get(dsts)
+    if activity is None:
+        if len(_SEND_TO) >= 4096:      # a long run of ever new destination sets
+            _SEND_TO.clear()
+        activity = _SEND_TO[dsts] = "SEND_TO " + ",".join(map(str, dsts))
+    rec.instants(names, activity)
+
+
+def scaled(x, scale):
+    if x.is_floating_point() or x.is_complex():
+        return x * scale
+    return torch.round(x.to(torch.float64) * scale).to(x.dtype)
+
+
+def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_from, check):
+    """send_plan: [(dst, scale or None)]; src_weights: {src: weight} for src in recv_from."""
+    name = op.name
+    if check:
+        yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
+    with _phase(name, "ALLOCATE_OUTPUT"):
+        out = torch.empty_like(x)
+    with _phase(name, "COMMUNICATE"):
+        _send_all(eng, op, name, x, send_plan)
+        entries = yield Recv([(src, name) for src in recv_from])
+    return average_of(op, x, out, self_weight, src_weights, entries)
+
+
+def neighbor_allreduce_rest(eng, op, x, out, self_weight, src_weights, keys):
+    """The second half of neighbor_allreduce, for a call whose sends are made (_quick.py)."""
+    with _phase(op.name, "COMMUNICATE"):
+        entries = yield Recv(keys)
+    return average_of(op, x, out, self_weight, src_weights, entries)
+
+
+def average_of(op, x, out, self_weight, src_weights, entries):
+    """out = the weighted average of x and the neighbors' entries (released after).
+    op: anything with the call's kind and name (for the error message)."""
+    try:
+        _check_same(op, x, entries)
+        with _phase(op.name, "COMPUTE_AVERAGE"):
+            return weighted_sum(out, x, self_weight,
+                                [(e.value, src_weights.get(e.src, 0.0)) for e in entries])
+    finally:
+        _release(entries)
+
+
+def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_plan, recv_from):
+    """Several neighbor_allreduce ops with one plan and dtype, admitted together: their
+    inputs are copied into one buffer that goes to each neighbor as one entry, and
+    one weighted sum over the buffers gives every result (each a view of the common
+    output). Members of a neighbor's group arrive back to back; when the neighbor
+    grouped them differently, its parts are gathered into one buffer first."""
+    ops = [op for op, _ in members]
+    xs = [x for _, x in members]
+    names = [op.name for op in ops]
+    sizes = [x.numel() for x in xs]
+    with _phase(names, "ALLOCATE_OUTPUT"):
+        out = torch.empty(sum(sizes), dtype=xs[0].dtype)
+    with _phase(names, "MEMCPY_IN_FUSION_BUFFER"):
+        flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
+    shapes = [tuple(x.shape) for x in xs]
+    desc = list(zip(names, shapes, sizes))
+    with _phase(names, "COMMUNICATE"):
+        _send_all(eng, lead, None, flat, send_plan, desc)
+        _mark_sends(names, (dst for dst, _ in send_plan))
+        entries = yield Recv([(src, name) for src in recv_from for name in names])
+    try:
+        k = len(names)
+        dtype = _meta(xs[0])[0]
+        parts = [_joined(entries[j * k:(j + 1) * k], names, dtype, shapes, eng.stream.stats)
+                 for j in range(len(recv_from))]
+        if any(p is None for p in parts):     # someone sent another shape or dtype
+            return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
+        with _phase(names, "COMPUTE_AVERAGE"):
+            weighted_sum(out, flat, self_weight,
+                         [(p, src_weights.get(src, 0.0)) for p, src in zip(parts, recv_from)])
+        for op, x, part in zip(ops, xs, out.split(sizes)):   # split: ~8x cheaper than slicing
+            op.result = part if x.dim() == 1 else part.view(x.shape)
+        return lead.result
+    finally:
+        _release(entries)
+
+
+def _joined(entries, names, dtype, shapes, stats):
+    """One flat tensor of the entries' values in order, or None when a dtype or shape
+    differs from ours. When all entries are consecutive members of one slab (the
+    neighbor grouped them as we did) it is a view of the slab; otherwise runs of
+    consecutive members are taken as regions and concatenated with the rest."""
+    first, n = entries[0], len(entries)
+    if first.__class__ is Member:
+        slab, i = first.slab, first.index
+        # names are unique in a slab, so same names at i.. and same slab = consecutive
+        if slab.names[i:i + n] == names and all(e.__class__ is Member and e.slab is slab for e in entries):
+            if slab.dtype != dtype or slab.shapes[i:i + n] != shapes:
+                return None
+            stats["fused_joined_views"] += 1
+            return slab.region(i, n)
+    pieces, i = [], 0
+    while i < n:
+        e = entries[i]
+        if e.__class__ is Member:
+            slab, first = e.slab, e.index
+            j = i + 1
+            while j < n and (f := entries[j]).__class__ is Member and f.slab is slab and f.index == first + j - i:
+                j += 1
+            if slab.dtype != dtype or slab.shapes[first:first + j - i] != shapes[i:j]:
+                return None
+            pieces.append(slab.region(first, j - i))
+            i = j
+        else:
+            if not e.is_tensor or e.meta != (dtype, shapes[i]) or e.sent_by is not None:
+                return None
+            pieces.append(e.value.reshape(-1))
+            i += 1
+    stats["fused_joined_copies"] += 1
+    return torch.cat(pieces)
+
+
+def _each_alone(ops, xs, entries, self_weight, src_weights, recv_from):
+    """The fused group's fallback when some neighbor's data does not match: each
+    member is checked and averaged on its own, so only the mismatched ones fail."""
+    k = len(ops)
+    for i, (op, x) in enumerate(zip(ops, xs)):
+        mine = [entries[j * k + i] for j in range(len(recv_from))]
+        try:
+            _check_same(op, x, mine)
+            op.result = weighted_sum(torch.empty_like(x), x, self_weight,
+                                     [(e.value, src_weights.get(e.src, 0.0)) for e in mine])
+        except ValueError as exc:
+            op.error = exc
+    if ops[0].error is not None:
+        raise ops[0].error
+    return ops[0].result
+
+
+def neighbor_allgather(eng, op, x, send_to, recv_from, check):
+    name = op.name
+    if check:
+        yield from _topology_check(eng, op, send_to, recv_from)
+    with _phase(name, "COMMUNICATE"):
+        out = Outgoing(x, sent_by=op.kind)
+        for dst in send_to:
+            eng.send_tensor(op, dst, name, out)
+        _mark_sends(name, send_to)
+        entries = yield Recv([(src, name) for src in recv_from])
+    try:
+        trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
+        for e in entries:
+            _raise_if_refused(op, e)
+            if e.is_tensor and e.sent_by != op.kind:
+                _raise_other_kind(op, e)
+            if not e.is_tensor or (e.meta[0], tuple(e.meta[1][1:])) != trail or not e.meta[1]:
+                raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} sent {e.describe()} but this agent "
+                                 f"has {_describe(x)}; tensors must agree on dtype and all "
+                                 "dimensions but the first")
+        with _phase(name, "ALLOCATE_OUTPUT"):
+            if not entries:
+                return x.new_empty((0,) + tuple(x.shape[1:]))
+            return torch.cat([e.value for e in entries], dim=0)
+    finally:
+        _release(entries)
+
+
+def pair_gossip(eng, op, x, target, self_weight, pair_weight):
+    name = op.name
+    with _phase(name, "ALLOCATE_OUTPUT"):
+        out = torch.empty_like(x)
+    with _phase(name, "COMMUNICATE"):
+        eng.send_tensor(op, target, name, Outgoing(x, sent_by=op.kind))
+        _mark_sends(name, [target])
+        entries = yield Recv([(target, name)])
+    try:
+        _check_same(op, x, entries)
+        with _phase(name, "COMPUTE_AVERAGE"):
+            return weighted_sum(out, x, self_weight, [(entries[0].value, pair_weight)])
+    finally:
+        _release(entries)
+
+
+def _machine_sum(eng, op, x, local_ranks):
+    """The sum of x over the agents of this machine, added in rank order so that
+    every local agent gets bitwise the same value: in float32 for 16-bit floats (as
+    allreduce adds them), float64 for integers."""
+    key = (op.name, "local")
+    peers = [r for r in local_ranks if r != eng.rank]
+    with _phase(op.name, "ALLOCATE_OUTPUT"):
+        total = torch.zeros(x.shape, dtype=torch.float32 if x.dtype in _HALVES else _sum_dtype(x))
+    with _phase(op.name, "COMMUNICATE"):
+        _send_all(eng, op, key, x, [(r, None) for r in peers])
+        local = yield Recv([(r, key) for r in peers])
+    try:
+        _check_same(op, x, local)
+        by_rank = {e.src: e.value for e in local}
+        by_rank[eng.rank] = x
+        acc_dtype = total.dtype
+        with _phase(op.name, "COMPUTE_AVERAGE"):
+            for r in sorted(by_rank):
+                total.add_(by_rank[r].to(acc_dtype))
+        return total
+    finally:
+        _release(local)
+
+
+def _sum_dtype(x):
+    return x.dtype if x.is_floating_point() or x.is_complex() else torch.float64
+
+
+def _cast_back(acc, x):
+    """acc (a wider sum) in x's dtype: rounded to the nearest integer for integers."""
+    if acc.dtype == x.dtype:
+        return acc
+    return acc.to(x.dtype) if x.is_floating_point() else acc.round_().to(x.dtype)
+
+
+def local_allreduce(eng, op, x, local_ranks, average):
+    total = yield from _machine_sum(eng, op, x, local_ranks)
+    if average:
+        if x.is_floating_point() or x.is_complex():
+            total.div_(len(local_ranks))
+        else:
+            total = torch.div(total, len(local_ranks), rounding_mode="floor")
+    return _cast_back(total, x)
+
+
+def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_weights,
+                                    send_plan, recv_from, check):
+    """Sum within the machine, exchange the machine sums with the same local rank
+    of neighbor machines, weight them, divide by the agents per machine."""
+    if check:
+        yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
+    key = (op.name, "machine")
+    with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
+        acc = torch.empty(x.shape, dtype=_sum_dtype(x))
+    try:
+        machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
+    except ValueError as err:
+        # No sum for this machine: the agents waiting for it fail too (instead of
+        # waiting forever), and what they send this agent must not feed a later call.
+        note = BadInput(f"has no machine sum to send, because on its machine: {err}")
+        for dst, _ in send_plan:
+            eng.send_object(dst, key, note)
+        eng.forget_inputs([(src, key) for src in recv_from])
+        raise
+    if x.is_floating_point() and machine_sum.dtype != x.dtype:
+        # a 16-bit float sum, added in float32, rounded once: machines exchange and
+        # average it in the tensor's dtype, as neighbor operations do
+        machine_sum = machine_sum.to(x.dtype)
+    with _phase(op.name, "COMMUNICATE"):
+        _send_all(eng, op, key, machine_sum, send_plan)
+        remote = yield Recv([(src, key) for src in recv_from])
+    try:
+        _check_same(op, machine_sum, remote)
+        with _phase(op.name, "COMPUTE_AVERAGE"):
+            weighted_sum(acc, machine_sum, self_weight,
+                          [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
+            acc.div_(len(local_ranks))
+            return _cast_back(acc, x)
+    finally:
+        _release(remote)
