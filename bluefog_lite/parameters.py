@@ -1,7 +1,7 @@
 """Model and optimizer helpers: broadcast or average all parameters, share optimizer state."""
 import torch
 
-from . import _tasks, ops
+from . import _arguments, _tasks, ops
 from ._runtime import state
 
 
@@ -54,7 +54,7 @@ def _agreed(call, params, root_rank=None, keep=lambda p: True):
 
     def validated():
         if root_rank is not None:
-            ops._rank(root_rank, "root_rank", st.size)
+            _arguments._rank(root_rank, "root_rank", st.size)
         items = [(str(n), p) for n, p in _named(params) if isinstance(p, torch.Tensor) and keep(p)]
         return items, [(n, _tasks._meta(p)) for n, p in items]
     items, views = ops._negotiate(f"{call}.check", validated)
@@ -79,7 +79,7 @@ def allreduce_parameters(params):
     """Replace params by their average over all agents, in place (tensors that cannot be
     averaged, e.g. bool buffers, are left as they are). Checked like broadcast_parameters."""
     items = _agreed("allreduce_parameters", params,
-                    keep=lambda p: p.is_floating_point() or p.dtype in ops._REDUCIBLE)
+                    keep=lambda p: p.is_floating_point() or p.dtype in _arguments.REDUCIBLE)
     handles = [ops.allreduce_nonblocking_(p, average=True, name=f"allreduce.param.{name}")
                for name, p in items]
     for h in handles:
@@ -91,7 +91,7 @@ def broadcast_optimizer_state(optimizer, root_rank):
     st = state()
 
     def validated():
-        root = ops._rank(root_rank, "root_rank", st.size)
+        root = _arguments._rank(root_rank, "root_rank", st.size)
         if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
             raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
         kind = type(getattr(optimizer, "optimizer", optimizer)).__name__   # a wrapper's inner one

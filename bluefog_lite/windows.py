@@ -16,7 +16,7 @@ import torch
 from . import _win_tasks
 from ._runtime import state
 from ._stream import plain
-from .ops import _overlaps, _rank, _weight, _weight_dict
+from ._arguments import _overlaps, _rank, _weight, _weight_dict
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
 _with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)

@@ -1,0 +1,155 @@
+"""The checks of the public calls' arguments (ops.py, windows.py, parameters.py):
+tensors, dtypes, weights, ranks, and a neighbor operation's plan (weights and
+peers, from the topology or the arguments). Each raises TypeError or ValueError
+with a message naming the argument."""
+import math
+import numbers
+
+import torch
+
+from ._stream import plain
+
+REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+             torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}    # what allreduce sums
+
+
+def _tensor(t, what="tensor"):
+    """The contiguous CPU tensor to send (a copy only if t is not contiguous or is a
+    lazily negated/conjugated view)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what} is on device {t.device}; bluefog_lite operations take CPU tensors "
+                        "(move it with .cpu() first)")
+    if t.is_sparse:
+        raise TypeError(f"{what} is sparse; pass a dense tensor")
+    return plain(t)
+
+
+def _numeric(t, op):
+    if t.dtype == torch.bool:
+        raise TypeError(f"{op} cannot average bool tensors; convert to a numeric dtype")
+    return t
+
+
+def _weight(w, what):
+    if isinstance(w, bool) or not isinstance(w, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {w!r}")
+    w = float(w)
+    if not math.isfinite(w):
+        raise ValueError(f"{what} must be finite, got {w}")
+    return w
+
+
+# How argument errors name ranks, weights and self: among agents, or among machines
+# (hierarchical ops): (a rank, the source and destination weights' names, self).
+_UNITS = {"agent": ("rank", "src_weights", "dst_weights", "this agent itself"),
+          "machine": ("machine rank", "src_machine_weights", "dst_machine_weights", "this agent's own machine")}
+
+
+def _rank(r, what, size, me=None, unit="agent"):
+    """r as an int rank among size agents (unit "machine": machine ranks among size machines)."""
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+        raise TypeError(f"{what} must be an integer rank, got {r!r}")
+    r = int(r)
+    rank, _, _, itself = _UNITS[unit]
+    if not 0 <= r < size:
+        raise ValueError(f"{what} {r} is out of range: there are {size} {unit}s ({rank}s 0..{size - 1})")
+    if me is not None and r == me:
+        raise ValueError(f"{what} {r} is {itself}; self is weighted with self_weight")
+    return r
+
+
+def _weight_dict(d, what, size, me, unit="agent"):
+    rank_in = f"{_UNITS[unit][0]} in {what}"
+    if isinstance(d, dict):
+        return {_rank(r, rank_in, size, me, unit): _weight(w, f"{what}[{r}]") for r, w in d.items()}
+    if isinstance(d, (list, tuple, set, range)):
+        ranks = [_rank(r, rank_in, size, me, unit) for r in d]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{what} lists a rank twice: {sorted(ranks)}")
+        return {r: 1.0 for r in ranks}
+    raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks, got {type(d).__name__}")
+
+
+def _rank_list(ranks, what, size, me):
+    return sorted(_ordered_ranks(ranks, what, size, me))
+
+
+def _ordered_ranks(ranks, what, size, me):
+    """The ranks in the order given (it is the order of the result); each at most once."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"{what} must be a list of ranks, got {ranks!r}")
+    ranks = [_rank(r, f"rank in {what}", size, me) for r in ranks]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{what} lists a rank twice: {ranks}")
+    return ranks
+
+
+def _reducible(t, kind):
+    if t.dtype not in REDUCIBLE:
+        raise TypeError(f"{kind.lower()} supports {sorted(str(d) for d in REDUCIBLE)}, got {t.dtype}")
+    return t
+
+
+def _ranks_named(ranks, size, me):
+    """The possible peers that ranks (a dict's keys or a list) names, read leniently:
+    what an agent whose arguments were rejected can still tell about its peers."""
+    try:
+        items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
+    except TypeError:
+        return []
+    return sorted({int(r) for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
+                   and 0 <= r < size and r != me})
+
+
+def _peers(topo, static, srcs, dsts, size, me):
+    """(ranks sent to, ranks received from) by a neighbor operation whose arguments may
+    be bad: the topology's in static mode, else the ranks the arguments name."""
+    if static:
+        return topo.out_ranks, topo.in_ranks
+    return _ranks_named(dsts or (), size, me), _ranks_named(srcs or (), size, me)
+
+
+def _overlaps(t):
+    """True when elements of t share memory (an expand()ed tensor: stride 0), so
+    that a result cannot be written into it."""
+    return t.numel() > 1 and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
+def _writable(t, what):
+    """Raise unless an in-place result can be written into tensor t (_overlaps)."""
+    if _overlaps(t):
+        raise ValueError(f"{what}: the tensor's elements share memory (stride 0, e.g. from expand()), "
+                         "so a result cannot be written into it; pass tensor.clone(), or use the "
+                         "out-of-place form")
+
+
+def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, unit="agent"):
+    src = _UNITS[unit][1]
+    if (self_weight is None) != (src_weights is None):
+        raise ValueError(f"{kind}: self_weight and {src} must be given together (or neither)")
+    if self_weight is None:
+        return topo.self_weight, dict(topo.src_weights)
+    return _weight(self_weight, "self_weight"), _weight_dict(src_weights, src, size, me, unit)
+
+
+def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit="agent"):
+    """(self_weight, src_weights, send_plan, recv_from, dynamic) for a neighbor op
+    (unit "machine": among machines, with the argument names of hierarchical ops)."""
+    if self_weight is None and src_weights is None and dst_weights is None:
+        return topo.default_plan
+    sw, srcw = _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, unit)
+    rank, src, dst, _ = _UNITS[unit]
+    if dst_weights is None:
+        stray = sorted(set(srcw) - set(topo.in_ranks))
+        if stray:
+            raise ValueError(f"{kind}: {src} names {rank}s {stray} that are not in-neighbors "
+                             f"{topo.in_ranks} of this {unit} in the static topology; pass {dst} "
+                             "for a dynamic topology")
+        return sw, srcw, [(d, None) for d in topo.out_ranks], list(topo.in_ranks), False
+    if self_weight is None:
+        raise ValueError(f"{kind}: dynamic mode ({dst} given) needs self_weight and {src} too")
+    dstw = _weight_dict(dst_weights, dst, size, me, unit)
+    plan = [(d, None if w == 1.0 else w) for d, w in sorted(dstw.items())]
+    return sw, srcw, plan, sorted(srcw), True
