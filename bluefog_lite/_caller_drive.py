@@ -1,0 +1,146 @@
+"""A blocking call run by its caller: the part of the Engine that lets a caller
+take the loop from the sleeping communication thread.
+
+The loop runs under the engine's *drive lock* (_engine.py). A caller of a
+blocking operation that finds it free runs the loop itself until its operation
+is done (_drive_until), then hands back what is left (_let_go); a small or
+large blocking neighbor_allreduce on an idle agent holds the lock without
+running the loop (hold_if_idle ... continue_held, used by _quick.py) and turns
+into an ordinary operation only if it must. CallerDrive is part of the Engine
+(its state is the engine's).
+"""
+import time
+
+import torch
+
+from ._doorbell import URGENT_ONLY
+from .timeline import _recorder as tl
+
+_monotonic = time.monotonic
+
+
+class CallerDrive:
+    """The Engine's caller-run loop and the holds of _quick.py."""
+
+    def _drive_until(self, op):
+        """Run the loop on the calling thread until op is done; False (nothing done)
+        if the communication thread holds the drive lock, i.e. is awake and will run
+        op itself. The thread meanwhile sleeps (woken, it waits for the hand-back:
+        _sleep_on_bell). Stops early, handing the loop back, if the timeline starts
+        or the engine stops."""
+        if not self._drive.acquire(False):
+            return False
+        self.driven_by_callers += 1
+        try:
+            self._run_until(op)
+        finally:
+            self._let_go()
+        return True
+
+    def _run_until(self, op):
+        """The loop, run by a caller that holds the drive lock, until op is done."""
+        self.doorbell.asleep(0)      # peers need not ring while this thread runs the loop
+        status = self._caller_status
+        with torch.no_grad():
+            idle_since = _monotonic()
+            while not op.is_done() and tl.current is None and not self._stopping:
+                moved, now = self._cycle(status)
+                if moved:
+                    idle_since = now
+                elif self._sleep(now - idle_since, status, caller=True):
+                    idle_since = _monotonic()
+
+    def _let_go(self):
+        """A caller releases the drive lock: if the thread sleeps, wake it for what is
+        left (handing the loop back), or let it idle."""
+        left = False
+        if self._sleeping:
+            left = bool(self._queue or self._expects_news())
+            if not left:
+                self.doorbell.asleep(URGENT_ONLY)     # (see _sleep)
+        self._drive.release()
+        if left:
+            self._handback.set()
+            self._wake()
+
+    # ---- a call its caller runs alone (_quick.py) ---------------------------
+    def hold_if_idle(self, name):
+        """Take the loop for a call that the caller will run without it: True, holding
+        the drive lock with name in use, if the thread sleeps and nothing is queued,
+        in flight or unsent; False, taking nothing, otherwise (also when name is in
+        use or the engine stops: submit then says so)."""
+        if not self._drive.acquire(False):
+            return False
+        with self._lock:
+            idle = not (self._queue or self._active or self._completing or self._discard
+                        or self.stream.outboxes or self._stopping or name in self._names)
+            if idle:
+                self._names.add(name)
+        if not idle:      # nothing changed: let go without waking the thread for what it has
+            queued = bool(self._queue)
+            self._drive.release()
+            if queued and self._sleeping:     # it may have been rung for these meanwhile
+                self._handback.set()
+                self._wake()
+            return False
+        self.driven_by_callers += 1
+        self.doorbell.asleep(0)      # peers need not ring while this thread runs the loop
+        return True
+
+    def release_hold(self, name):
+        """End hold_if_idle for a call that finished without becoming an operation."""
+        s = self.stream
+        s.test_sends()
+        s.arrived.clear()     # nothing waits (the engine was idle): no one to resume
+        with self._lock:
+            self._names.discard(name)
+        self._let_go()
+
+    def held_take(self, keys):
+        """Under hold_if_idle: the entries for every key (src, name), or None while any
+        is missing (nothing taken). If they are not all in yet, first receive what has
+        come, post the receives of the call's own large inputs at once (the next of
+        their keys from their senders), and ring back the senders of those that are in."""
+        entries = self._take_all(keys)
+        if entries is not None:
+            return entries
+        s = self.stream
+        moved = s.receive(self._caller_status)
+        if moved and s.unposted:
+            wanted, left = set(keys), []
+            for large in s.unposted:
+                if wanted.issuperset(large.keys) and self._next_of_its_keys(large):
+                    s.post(large)
+                else:
+                    left.append(large)
+            s.unposted = left
+        if s.pending_recvs and s.test_recvs():
+            self.ring_peers()
+            moved = True
+        return self._take_all(keys) if moved else None
+
+    def held_interrupted(self, large=False):
+        """Under hold_if_idle: True once the loop is needed for something else (an
+        operation another thread queued, a large tensor announced or arriving; with
+        ``large``, one that held_take does not take for the call)."""
+        s = self.stream
+        if large:
+            return bool(self._queue or s.unposted)
+        return bool(self._queue or s.unposted or s.pending_recvs)
+
+    def continue_held(self, name, kind, task, data_requests=()):
+        """Under hold_if_idle: make the call an operation (task as for submit; name is
+        already in use; data_requests: its large sends in flight), run the loop until
+        it is done, let go. Returns its handle for synchronize."""
+        try:
+            with self._lock:
+                op = self._new_op(name, kind)
+                op.task = task(self, op)
+                op.data_requests = list(data_requests)
+                self._ops[op.handle] = op
+            self._active.add(op)
+            self._step(op, None)
+            self._run_until(op)
+        finally:
+            self._let_go()
+        return op.handle
