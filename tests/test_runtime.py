@@ -38,8 +38,15 @@ def test_stall_of_senders_and_receivers_that_disagree_names_the_unexpected_sende
 def test_stall_of_an_agent_that_skipped_a_collective_names_the_collective_the_others_wait_in():
     """One agent calls neighbor_allreduce in static mode, the others with dst_weights
     and the topology check (a collective it never joins)."""
-    run_agents(4, "runtime_stall.py", "unjoined", timeout=90, untaken_ok=True,
-               env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "2.5"})
+    _, out = run_agents(4, "runtime_stall.py", "unjoined", timeout=90, untaken_ok=True,
+                        env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "2.5"})
+    # at shutdown rank 1 still holds the others' negotiation of the check (a collective's
+    # message, named by the operation it belongs to), and they hold rank 1's data
+    untaken = dict(re.findall(r"rank (\d)\): at shutdown, data sent to this agent that no operation took: "
+                              r"(.*?)\. Its senders", out))
+    assert untaken == {"1": "1 from rank 0 under 'mixed.modes', 1 from rank 2 under 'mixed.modes', "
+                            "1 from rank 3 under 'mixed.modes'",
+                       **{r: "1 from rank 1 under 'mixed.modes'" for r in "023"}}, out
 
 
 def test_fatal_timeout_raises_on_waiting_agents():
