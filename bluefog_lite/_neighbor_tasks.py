@@ -299,7 +299,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             eng.send_object(dst, key, note)
         eng.forget_inputs([(src, key) for src in recv_from])
         raise
-    if x.is_floating_point() and machine_sum.dtype != x.dtype:
+    if x.dtype in _HALVES:
         # a 16-bit float sum, added in float32, rounded once: machines exchange and
         # average it in the tensor's dtype, as neighbor operations do
         machine_sum = machine_sum.to(x.dtype)

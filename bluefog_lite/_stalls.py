@@ -31,14 +31,23 @@ def _fused_with(op):
     return f" (fused with {shown})"
 
 
+def _negotiation(key, entry):
+    """(kind, name) of a collective's negotiation message, under key ("C", seq), whose
+    value is (kind, name, payload) (see _tasks.exchange_headers); None for other keys."""
+    if key.__class__ is tuple and key[0] == "C" and key[1].__class__ is int:
+        v = entry.value
+        if v.__class__ is tuple and len(v) == 3:
+            return v[0], v[1]
+    return None
+
+
 def _name_of(key, entry):
     """The operation name of an inbox key: the name, a (name, part) pair's name, or
-    for a collective's negotiation ("C", seq) the name it carries."""
+    the name a collective's negotiation carries."""
     if key.__class__ is str:
         return key
-    if key[0] == "C" and entry.value.__class__ is tuple and len(entry.value) == 3:
-        return entry.value[1]      # (kind, name, payload): see _tasks.exchange_headers
-    return key[0]
+    call = _negotiation(key, entry)
+    return key[0] if call is None else call[1]
 
 
 class StallInspector:
@@ -78,11 +87,9 @@ class StallInspector:
         (their negotiation is in this agent's inbox) and this agent has not."""
         found = {}
         for (src, key), q in self.stream.inbox.items():
-            if q and key.__class__ is tuple and key[0] == "C" and key[1].__class__ is int \
-                    and key[1] >= self._coll_seq:
-                v = q[0].value     # (kind, name, payload): see _tasks.exchange_headers
-                if v.__class__ is tuple and len(v) == 3:
-                    found.setdefault((v[0], v[1]), set()).add(src)
+            call = _negotiation(key, q[0]) if q else None
+            if call is not None and key[1] >= self._coll_seq:
+                found.setdefault(call, set()).add(src)
         return found
 
     def _stray_hint(self, op):
