@@ -18,7 +18,8 @@ def test_sgd_wrappers_reach_centralized_solution(wrapper, comm):
 
 @pytest.mark.parametrize("how", ["loop", "closure"])
 def test_win_put_optimizer_reaches_a_neighborhood(how):
-    """Asynchronous: stale neighbor values bias the fixed point; relative error < 0.3."""
+    """Asynchronous, neighbor values up to 10 steps stale (a barrier every 10 steps keeps
+    the agents' step rates equal): relative error < 2e-2, as the synchronous wrappers."""
     run_agents(4, "opt_linear.py", "winput", "-", "sgd", how, timeout=120)
 
 

@@ -53,6 +53,7 @@ sched = torch.optim.lr_scheduler.StepLR(dopt, step_size=600, gamma=0.3)
 schedule = topo.GetDynamicOnePeerSendRecvRanks(topo.ExponentialTwoGraph(size), rank)
 bf.broadcast_parameters(model.state_dict(), root_rank=0)
 steps = 1500
+PACE = 10
 for it in range(steps):
     if comm == "dyn":
         send, recv = next(schedule)
@@ -70,6 +71,12 @@ for it in range(steps):
         closure()
         dopt.step()
     sched.step()
+    if wrapper == "winput" and (it + 1) % PACE == 0:
+        # asynchronous: neighbors' values are up to PACE steps stale. The barrier keeps
+        # the step rates equal: an agent that steps faster counts its local gradient
+        # more often and pulls the fixed point toward its own data (free-running on an
+        # oversubscribed host that bias ranged 0.02-0.27, set by the scheduler)
+        bf.barrier()
 if wrapper == "winput":   # asynchronous: gossip the final iterates a few rounds without steps
     for _ in range(30):
         for name, p in model.named_parameters():
@@ -85,11 +92,7 @@ errs = bf.allgather(torch.tensor([err]), name="errs")
 if rank == 0:
     print(f"{wrapper}/{comm}/{base}: relative distance to centralized solution "
           f"max {errs.max().item():.2e}", flush=True)
-if wrapper == "winput":
-    # asynchronous puts combine stale neighbor values, which biases the fixed point
-    # (no push-sum correction): a neighborhood of the solution, not the solution
-    assert err < 0.3, f"rank {rank}: relative error {err:.3e} (asynchronous win_put)"
-elif comm == "empty":
+if comm == "empty":
     assert err > 0.2, f"no communication must not reach the centralized solution (err {err})"
 else:
     assert err < 0.02, f"rank {rank}: relative error {err:.3e} to the centralized solution"
