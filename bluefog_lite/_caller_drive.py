@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from . import _posting
 from ._doorbell import URGENT_ONLY
 from .timeline import _recorder as tl
 
@@ -109,7 +110,7 @@ class CallerDrive:
         if moved and s.unposted:
             wanted, left = set(keys), []
             for large in s.unposted:
-                if wanted.issuperset(large.keys) and self._next_of_its_keys(large):
+                if wanted.issuperset(large.keys) and _posting.next_of_its_keys(s.inbox, large):
                     s.post(large)
                 else:
                     left.append(large)

@@ -15,8 +15,10 @@ idle agent goes further and holds the lock without running the loop at all
 (hold_if_idle, _quick.py). The timeline keeps every operation on the
 communication thread (its MPI_ spans belong there).
 
-What a task yields to wait is in _waits.py; the warnings and timeouts of
-operations that wait too long are the stall inspector's (_stalls.py).
+Which queued operations run fused as one task is _fusion.py's; when the data of
+a large tensor is received, _posting.py's; what a task yields to wait is in
+_waits.py; the warnings and timeouts of operations that wait too long are the
+stall inspector's (_stalls.py).
 """
 import collections
 import itertools
@@ -29,6 +31,7 @@ import torch
 
 from _thread import allocate_lock as _allocate_lock, get_ident as _get_ident
 
+from . import _fusion, _posting
 from ._doorbell import ANYTHING, URGENT_ONLY, Doorbell
 from ._mpi import MPI
 from ._pool import BufferPool
@@ -71,18 +74,6 @@ def _drain(iterator):
     collections.deque(iterator, maxlen=0)
 
 
-class Fusable:
-    """How an op may be fused: ops admitted together with equal ``key`` (and at most
-    the fusion threshold of ``nbytes`` in all) run as one task, ``group(eng, lead,
-    members)``, where members is [(op, arg)] in submission order. The task sets each
-    member's result (or error); the lead's is its return value."""
-    __slots__ = ("key", "nbytes", "arg", "group")
-
-    def __init__(self, key, nbytes, arg, group):
-        self.key, self.nbytes, self.arg, self.group = key, nbytes, arg, group
-
-
-
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
@@ -90,7 +81,7 @@ class Op:
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
-        self.fuse = fuse       # a Fusable: this op may run in one task with others like it
+        self.fuse = fuse       # a _fusion.Fusable: this op may run in one task with others like it
         self.riders = ()       # the other ops of the fused group this op's task runs
         self.wait = None
         self.waiting_since = _monotonic()    # (a task that never waits still waits for its sends)
@@ -172,7 +163,7 @@ class Engine(CallerDrive, StallInspector):
     # ---- caller side -----------------------------------------------------
     def submit(self, name, kind, task, fuse=None, inline=False, reserve=True):
         """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
-        ``fuse``: a Fusable, if the op may run fused with others of the same key.
+        ``fuse``: a _fusion.Fusable, if the op may run fused with others of the same key.
         ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
         loop is not rung now: synchronize runs the loop on the caller if it can.
         ``reserve``: the op's messages are keyed by its name, so no other reserving
@@ -431,64 +422,21 @@ class Engine(CallerDrive, StallInspector):
         return bool(self.stream.sent_packets or self.stream.pending_recvs)
 
     def _admit(self):
-        q = self._queue
-        if q and q[-1].fuse is not None and self.stream.fusion_threshold and self._thread.ident == _get_ident():
-            self._settle(q)
+        q, s = self._queue, self.stream
+        if q and q[-1].fuse is not None and s.fusion_threshold and self._thread.ident == _get_ident():
+            _fusion.settle(q)
         with self._lock:
             new, self._queue = list(self._queue), collections.deque()
         if tl.current is not None:
             for op in new:
                 tl.begin(op.name, "MPI_" + op.kind)
-        for op in (self._fuse(new) if len(new) > 1 else new):
+        if len(new) > 1:
+            new = _fusion.group(self, new, s.fusion_threshold, s.inline_limit, s.stats)
+        for op in new:
             self._active.add(op)
             self._step(op, None)
         self._flush()
         return True
-
-    @staticmethod
-    def _settle(q):
-        """Before the thread admits fusable calls: a caller may be in the middle of a
-        burst of them (an optimizer launching every parameter's communication). Yield
-        while the queue grows, at most ~0.2 ms, so that the burst runs as one group,
-        cut the same way on every agent (a group that crosses a neighbor's boundary
-        must be gathered with a copy, _neighbor_tasks._joined). A lone call costs one yield."""
-        n, t0 = len(q), _monotonic()
-        while True:
-            _yield()
-            m = len(q)
-            if m == n or _monotonic() - t0 > 0.0002:
-                return
-            n = m
-
-    def _fuse(self, ops):
-        """Group the small fusable ops of one admission by key (each group at most the
-        fusion threshold in bytes); a group's first op runs the group's task and the
-        others ride along. Returns the ops to run, in the order of their first op."""
-        limit = self.stream.fusion_threshold
-        small = self.stream.inline_limit
-        if limit == 0:
-            return ops
-        run, open_groups, members_of = [], {}, {}
-        for op in ops:
-            f = op.fuse
-            if f is None or f.nbytes > small:
-                run.append(op)
-                continue
-            g = open_groups.get(f.key)
-            if g is None or g[1] + f.nbytes > limit:
-                g = open_groups[f.key] = [[op], 0]
-                members_of[op] = g[0]
-                run.append(op)
-            else:
-                g[0].append(op)
-            g[1] += f.nbytes
-        for lead, members in members_of.items():
-            if len(members) > 1:
-                self.stream.stats["fused_groups"] += 1
-                self.stream.stats["fused_ops"] += len(members)
-                lead.riders = members[1:]
-                lead.task = lead.fuse.group(self, lead, [(m, m.fuse.arg) for m in members])
-        return run
 
     def _flush(self):
         """Send what the tasks queued, ring the peers that were sent something, and
@@ -545,60 +493,11 @@ class Engine(CallerDrive, StallInspector):
             for op in list(self._polled):
                 if self._advance(op):
                     moved = True
-        if s.unposted and self._post_receives():
+        if s.unposted and _posting.post_receives(s, self._waiters, self._discard):
             moved = True
         if (s.outboxes or s.to_ring or self._completing) and self._flush():
             moved = True
         return moved
-
-    def _post_receives(self):
-        """Post the receives of large tensors whose descriptors came in, without taking
-        new memory early. Data an active operation waits for is posted at once. The
-        data of an operation this agent has not started yet (a neighbor running
-        ahead) is posted only if it is the next of its name from that neighbor and
-        only into a pooled buffer that the active operations will not need for data
-        they still wait for; otherwise it stays in the sender's memory until its
-        operation waits for it. So an agent holds receive buffers for the operations
-        it runs, not for everything its neighbors send."""
-        s = self.stream
-        ahead = []
-        for large in s.unposted:
-            if self._awaited(large):
-                s.post(large)
-            else:
-                ahead.append(large)
-        held = []
-        if ahead:
-            inbox, free = s.inbox, s.pool.free_count
-            unannounced = sum(1 for k in self._waiters if not inbox.get(k))   # buffers still owed
-            for large in ahead:
-                if free(large.nbytes) > unannounced and self._next_of_its_keys(large):
-                    s.post(large)
-                else:
-                    held.append(large)
-        posted = len(held) < len(s.unposted)
-        s.unposted = held
-        return posted
-
-    def _next_of_its_keys(self, large):
-        """True if this receive is the oldest entry under each of its keys: the data of
-        the next operation of that name from that neighbor. One queued behind it is two
-        or more operations ahead and stays with the sender, so running ahead never makes
-        an agent hold more than one round of a name per neighbor."""
-        return all(self._oldest_under(k, large.item) for k in large.keys)
-
-    def _awaited(self, large):
-        """True if this receive holds the first entry under one of its keys and an
-        active operation waits for that key (or it is the leftover of a timed-out one,
-        dropped on arrival). A waiting operation keeps its keys until all its data is
-        in, so an entry queued behind one it already has is a later operation's."""
-        waiters, discard = self._waiters, self._discard
-        return any((k in waiters or k in discard) and self._oldest_under(k, large.item) for k in large.keys)
-
-    def _oldest_under(self, key, item):
-        """True if item (an Entry, or the Slab of a Member) is the first entry queued under key."""
-        q = self.stream.inbox.get(key)
-        return bool(q) and (q[0] is item or getattr(q[0], "slab", None) is item)
 
     def _take_all(self, keys):
         """The entries for every (src, key), or None while any is missing."""

@@ -247,7 +247,7 @@ def _as_tensor(raw, meta):
 
 class LargeReceive:
     """A large tensor (or fused group) whose descriptor has arrived: its bytes wait
-    in the sender's memory until the engine posts the receive (Engine._post_receives)."""
+    in the sender's memory until the engine posts the receive (_posting.py)."""
     __slots__ = ("item", "tag", "nbytes", "keys")
 
     def __init__(self, item, tag, nbytes, keys):

@@ -13,7 +13,7 @@ import torch
 from . import _collective_tasks, _neighbor_tasks, _quick, _tasks
 from ._arguments import (_numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
                          _reducible, _tensor, _weight, _writable)
-from ._engine import Fusable
+from ._fusion import Fusable
 from ._runtime import plan_key, state
 
 _name_counters = {}
@@ -269,7 +269,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
 
 def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check):
     fuse = None
-    if not check:   # ops of one plan and dtype admitted together run as one (see _engine._fuse)
+    if not check:   # ops of one plan and dtype admitted together run as one (see _fusion.py)
         topo = st.topology
         key = (x.dtype, topo.default_plan_key if plan is topo.default_plan[2] else
                plan_key(sw, srcw, plan, recv_from))
