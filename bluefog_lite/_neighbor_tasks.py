@@ -238,11 +238,12 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
 def _machine_sum(eng, op, x, local_ranks):
     """The sum of x over the agents of this machine, added in rank order so that
     every local agent gets bitwise the same value: in float32 for 16-bit floats (as
-    allreduce adds them), float64 for integers."""
+    allreduce adds them), in int64 for integers (exact; cast back to a narrower
+    dtype it wraps around as allreduce's MPI sum does)."""
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        total = torch.zeros(x.shape, dtype=torch.float32 if x.dtype in _HALVES else _sum_dtype(x))
+        total = torch.zeros(x.shape, dtype=_machine_sum_dtype(x))
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, x, [(r, None) for r in peers])
         local = yield Recv([(r, key) for r in peers])
@@ -259,25 +260,27 @@ def _machine_sum(eng, op, x, local_ranks):
         _release(local)
 
 
-def _sum_dtype(x):
+def _machine_sum_dtype(x):
+    if x.dtype in _HALVES:
+        return torch.float32
+    return x.dtype if x.is_floating_point() or x.is_complex() else torch.int64
+
+
+def _weighted_dtype(x):
+    """The dtype a neighbor average of x is computed in: float64 for integers."""
     return x.dtype if x.is_floating_point() or x.is_complex() else torch.float64
 
 
-def _cast_back(acc, x):
-    """acc (a wider sum) in x's dtype: rounded to the nearest integer for integers."""
-    if acc.dtype == x.dtype:
-        return acc
-    return acc.to(x.dtype) if x.is_floating_point() else acc.round_().to(x.dtype)
-
-
 def local_allreduce(eng, op, x, local_ranks, average):
+    """allreduce within the machine, with allreduce's arithmetic: an integer average
+    is the floor of the int64 sum's quotient, a sum wraps in x's dtype."""
     total = yield from _machine_sum(eng, op, x, local_ranks)
     if average:
         if x.is_floating_point() or x.is_complex():
             total.div_(len(local_ranks))
         else:
             total = torch.div(total, len(local_ranks), rounding_mode="floor")
-    return _cast_back(total, x)
+    return total if total.dtype == x.dtype else total.to(x.dtype)
 
 
 def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_weights,
@@ -288,7 +291,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
     key = (op.name, "machine")
     with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
-        acc = torch.empty(x.shape, dtype=_sum_dtype(x))
+        acc = torch.empty(x.shape, dtype=_weighted_dtype(x))
     try:
         machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
     except ValueError as err:
@@ -299,10 +302,11 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             eng.send_object(dst, key, note)
         eng.forget_inputs([(src, key) for src in recv_from])
         raise
-    if x.dtype in _HALVES:
+    if machine_sum.dtype != acc.dtype:
         # a 16-bit float sum, added in float32, rounded once: machines exchange and
-        # average it in the tensor's dtype, as neighbor operations do
-        machine_sum = machine_sum.to(x.dtype)
+        # average it in the tensor's dtype, as neighbor operations do; an integer sum
+        # goes as float64, the dtype it is weighted in
+        machine_sum = machine_sum.to(acc.dtype)
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
         remote = yield Recv([(src, key) for src in recv_from])
@@ -312,6 +316,6 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             weighted_sum(acc, machine_sum, self_weight,
                           [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
             acc.div_(len(local_ranks))
-            return _cast_back(acc, x)
+            return acc if acc.dtype == x.dtype else acc.round_().to(x.dtype)
     finally:
         _release(remote)

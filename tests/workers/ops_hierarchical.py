@@ -44,6 +44,23 @@ for dt, big in ((torch.float16, 2048.0), (torch.bfloat16, 256.0)):
     got = bf.hierarchical_neighbor_allreduce(one, name=f"hna.half.{dt}")
     assert got.dtype == dt and torch.equal(got, (exact.float() / per).to(dt)), (dt, got)
 
+# integers: the machine-local sum wraps around in the tensor's dtype and the average
+# floors the exact int64 sum's quotient, as allreduce does (numpy's integer sums
+# wrap the same way). 2**53 + 1 and its neighbors are not floats: a sum added in
+# float64 would be off by one.
+mine = [m * per + l for l in range(per)]     # the ranks of this machine
+for dt, npdt, wrap, fine in (
+        (torch.int32, np.int32, lambda r: [2**31 - 1 - r, -2**31 + r, 7 * r - 3], lambda r: [2**30 + r, -r]),
+        (torch.int64, np.int64, lambda r: [2**62 + r, -2**62 - 3 * r, 5 - r], lambda r: [2**53 + 1 + r, -2**53 - 3 * r]),
+        (torch.uint8, np.uint8, lambda r: [250 - r, 129 + r, r], lambda r: [255 - r, r])):
+    got = bf.allreduce(torch.tensor(wrap(rank), dtype=dt), average=False, is_hierarchical_local=True,
+                       name=f"local.int.{dt}")
+    want = np.array([wrap(r) for r in mine], dtype=npdt).sum(axis=0, dtype=npdt)
+    assert got.dtype == dt and got.tolist() == want.tolist(), (dt, got, want)
+    got = bf.allreduce(torch.tensor(fine(rank), dtype=dt), is_hierarchical_local=True, name=f"local.intmean.{dt}")
+    want = [sum(col) // per for col in zip(*(fine(r) for r in mine))]     # exact, Python ints
+    assert got.dtype == dt and got.tolist() == want, (dt, got, want)
+
 # static machine topology (Exp-2 over machines, uniform weights)
 W = topo.mixing_matrix(topo.ExponentialGraph(M))
 A = (W > 0).astype(float)
