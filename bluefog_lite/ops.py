@@ -103,17 +103,32 @@ def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False):
     return _submit(kind, name, lambda e, op: _tasks.refused(e, op, exc, list(tell), list(forget)))
 
 
-def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
-    name = _op_name(name, "ALLREDUCE")
-    if is_hierarchical_local:      # not a global collective: only this machine's agents wait
-        st = state()
-        try:
-            x = _reducible(_tensor(tensor), "ALLREDUCE")
-        except (TypeError, ValueError) as exc:
-            peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
-            return _refuse("ALLREDUCE", name, exc, peers, peers)
+def _local_allreduce(name, tensor, average, target=None):
+    """allreduce(is_hierarchical_local=True): not a global collective, only this
+    machine's agents wait. With bad input they are told (see _refuse). target: the
+    tensor to write the result into (allreduce_), which must be writable."""
+    st = state()
+    try:
+        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        if target is not None:
+            _writable(target, "allreduce_")
+    except (TypeError, ValueError) as exc:
+        peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
+        return _refuse("ALLREDUCE", name, exc, peers, peers)
+    if target is None:
         return _submit("ALLREDUCE", name, lambda e, op: _neighbor_tasks.local_allreduce(
             e, op, x, st.local_ranks, average))
+
+    def task(e, op):
+        out = yield from _neighbor_tasks.local_allreduce(e, op, x, st.local_ranks, average)
+        return target.detach().copy_(out)
+    return _submit("ALLREDUCE", name, task)
+
+
+def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
+    name = _op_name(name, "ALLREDUCE")
+    if is_hierarchical_local:
+        return _local_allreduce(name, tensor, average)
 
     def prepare():
         x = _reducible(_tensor(tensor), "ALLREDUCE")
@@ -129,14 +144,7 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
     if is_hierarchical_local:
-        x = _reducible(_tensor(tensor), "ALLREDUCE")
-        _writable(tensor, "allreduce_")
-        st = state()
-
-        def task(e, op):
-            out = yield from _neighbor_tasks.local_allreduce(e, op, x, st.local_ranks, average)
-            return tensor.detach().copy_(out)
-        return _submit("ALLREDUCE", name, task)
+        return _local_allreduce(name, tensor, average, target=tensor)
 
     def prepare():
         x = _reducible(_tensor(tensor), "ALLREDUCE")

@@ -237,6 +237,7 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("nag_static", 0, "ValueError", "at least one dimension", [1, 2]),
     ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),
     ("local_allreduce", 2, "TypeError", "allreduce supports", [0, 1, 3]),
+    ("local_allreduce_", 0, "ValueError", "elements share memory", [1, 2, 3]),
 ])
 def test_bad_neighbor_arguments_on_one_agent_fail_on_its_receivers(cases, case, bad, exc, words, receivers):
     """The agent raises its own error; the agents that receive from it raise one naming

@@ -230,6 +230,11 @@ ONE_AGENT_NEIGHBOR = (
     ("one_agent.local_allreduce", lambda bad: bf.allreduce(
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, is_hierarchical_local=True, name="one.local"),
      2, lambda: bf.allreduce(X, is_hierarchical_local=True, name="one.local"), lambda xs: np.mean(xs, axis=0)),
+    ("one_agent.local_allreduce_", lambda bad: bf.allreduce_(
+        torch.ones(1, 1, dtype=X.dtype).expand(3, 4) if bad == RANK else X.clone(), is_hierarchical_local=True,
+        name="one.local_"),
+     0, lambda: bf.allreduce_(X.clone(), is_hierarchical_local=True, name="one.local_"),
+     lambda xs: np.mean(xs, axis=0)),
 )
 for case, call, bad, again, want in ONE_AGENT_NEIGHBOR:
     attempt(case, call, bad)
