@@ -110,26 +110,30 @@ class StallInspector:
                      "agent has not started")
         return hint
 
-    def _missing(self, op):
+    def _waiting_for(self, op):
+        """What op waits for, as it reads after "waited 60.0 s " or "waiting "."""
         w = op.wait
+        if op.finished_task:
+            return "for the completion of its own sends (a receiver has not taken them)"
         if isinstance(w, Recv):
-            return self._lacking(w)
+            return f"for ranks {self._lacking(w)}"
         if isinstance(w, Turn):
-            return "an earlier collective operation"
+            return "for an earlier collective operation of this agent, which must start first"
         if isinstance(w, Requests):
-            return f"unknown ranks (inside {w.what})"
+            return f"inside {w.what} (MPI does not say for which ranks)"
         if isinstance(w, Sleep):
-            return w.what
-        return "the completion of its own sends"
+            return f"for {w.what}"
+        return "for the completion of its own sends"
 
     def _inspect_stalls(self, now):
         for op in list(self._active):
             waited = now - op.waiting_since
             if not op.warned and waited > self.stall_warning_s:
                 op.warned = True
-                what = ("for the completion of its own sends (a receiver has not taken them)"
-                        if op.finished_task else
-                        f"for ranks {self._missing(op)} that have not joined it{self._stray_hint(op)}")
+                what = self._waiting_for(op)
+                if not op.finished_task:
+                    joined = " that have not joined it" if isinstance(op.wait, Recv) else ""
+                    what += joined + self._stray_hint(op)
                 sys.stderr.write(
                     f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
                     f"waited {waited:.1f} s {what}\n")
@@ -138,7 +142,7 @@ class StallInspector:
                 op.error = OpTimeout(
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
-                    f"waiting for ranks {self._missing(op)}{self._stray_hint(op)}")
+                    f"waiting {self._waiting_for(op)}{self._stray_hint(op)}")
                 op.task.close()
                 if isinstance(op.wait, Recv):
                     self.forget_inputs(op.wait.keys)

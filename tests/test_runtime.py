@@ -1,7 +1,10 @@
 """Runtime behaviour: size 1, errors before init/after shutdown, stall inspector, abort."""
 import re
 import time
+from types import SimpleNamespace
 
+from bluefog_lite._stalls import StallInspector
+from bluefog_lite._waits import Recv, Requests, Sleep, Turn
 from mpi_helpers import run_agents
 
 
@@ -21,6 +24,38 @@ def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its
                         r"the completion of its own sends \(a receiver has not taken them\)", out)
     assert sorted(name for name, _ in warned) == ["oneway.loop", "oneway.quick"], out
     assert all(1.0 < float(s) < 3.0 for _, s in warned), out
+
+
+class _Stalled:
+    """An operation as the stall inspector sees it."""
+
+    def __init__(self, name, wait, finished_task=False):
+        self.kind, self.name, self.wait, self.finished_task = "ALLREDUCE", name, wait, finished_task
+        self.waiting_since, self.warned, self.riders = 0.0, False, ()
+
+
+class _Inspector(StallInspector):
+    """The engine's state the inspector reads: rank 1's entry under 'a' is in."""
+
+    def __init__(self, ops):
+        self._active, self.rank, self._coll_seq = set(ops), 0, 0
+        self.stall_warning_s, self.op_timeout_s = 1.0, 0.0
+        self.stream = SimpleNamespace(inbox={}, has=lambda src, key: (src, key) == (1, "a"))
+
+
+def test_stall_warning_says_what_an_operation_waits_for(capsys):
+    """Each kind of wait in words: ranks only where the operation waits for ranks (a
+    collective inside MPI, or behind an earlier collective, has none to name)."""
+    ops = [_Stalled("a", Recv([(1, "a"), (2, "a"), (3, "a")])), _Stalled("b", Turn(4)),
+           _Stalled("c", Requests([], "MPI_Iallreduce")), _Stalled("d", Sleep(0.0, "a neighbor's mutex")),
+           _Stalled("e", Recv([(2, "e")]), finished_task=True)]
+    _Inspector(ops)._inspect_stalls(10.0)
+    said = dict(re.findall(r"ALLREDUCE '(\w)' has waited 10.0 s (.*)", capsys.readouterr().err))
+    assert said == {"a": "for ranks [2, 3] that have not joined it",
+                    "b": "for an earlier collective operation of this agent, which must start first",
+                    "c": "inside MPI_Iallreduce (MPI does not say for which ranks)",
+                    "d": "for a neighbor's mutex",
+                    "e": "for the completion of its own sends (a receiver has not taken them)"}, said
 
 
 def test_stall_of_senders_and_receivers_that_disagree_names_the_unexpected_sender():
