@@ -15,8 +15,7 @@ import torch
 
 from . import _win_tasks
 from ._runtime import state
-from ._stream import plain
-from ._arguments import _overlaps, _rank, _weight, _weight_dict
+from ._arguments import _overlaps, _rank, _tensor, _weight, _weight_dict
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
 _with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)
@@ -43,16 +42,12 @@ def _describe(dtype, shape):
 
 def _matching_tensor(tensor, win, what):
     """The contiguous tensor to send; it must be shaped and typed like the window."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise TypeError(f"{what}: tensor is on device {tensor.device}; bluefog_lite windows hold CPU "
-                        "tensors (move it with .cpu() first)")
+    tensor = _tensor(tensor, f"{what}: tensor")     # a torch.Tensor, dense, on the CPU
     if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape:
         raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} does not match window "
                          f"{win.name!r} ({_describe(win.dtype, win.shape)}); pass a tensor of the window's "
                          "shape and dtype")
-    return plain(tensor)
+    return tensor
 
 
 def _neighbor_weights(weights, allowed, what, direction, st, win):

@@ -74,6 +74,8 @@ raises(ValueError, "no window named 'nope'", bf.win_mutex("nope").__enter__)
 raises(ValueError, "does not match window 'e'", bf.win_put, torch.zeros(2, 3), "e")
 raises(ValueError, "does not match window 'e'", bf.win_accumulate, torch.zeros(3, 2, dtype=torch.float64), "e")
 raises(TypeError, "must be a torch.Tensor", bf.win_put, [0.0] * 6, "e")
+for fn in (bf.win_put, bf.win_accumulate):
+    raises(TypeError, "tensor is sparse; pass a dense tensor", fn, torch.zeros(2, 3).to_sparse(), "e")
 
 # -- ranks out of range / not neighbors / self -----------------------------------------------------
 raises(ValueError, "out of range", bf.win_put, x, "e", dst_weights={size: 1.0})
