@@ -97,12 +97,12 @@ def timeline_install_hooks(model, prefix=""):
     return _install(model, prefix, auto=False)
 
 
-def install_unless_present(model):
-    """An optimizer wrapper's hooks: installed unless the model has timeline hooks
-    already (then None)."""
+def install_unless_present(model, prefix=""):
+    """An optimizer wrapper's hooks (prefix: of the names its communication runs
+    under): installed unless the model has timeline hooks already (then None)."""
     if _installed.get(model):
         return None
-    return _install(model, "", auto=True)
+    return _install(model, prefix, auto=True)
 
 
 def _install(model, prefix, auto):

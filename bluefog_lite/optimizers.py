@@ -80,6 +80,7 @@ class _InOrder:
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
+    _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
 
     def __init__(self, optimizer, model, num_steps_per_communication=1):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -228,7 +229,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         wrapper installs unless the model has them already (hooks.py)."""
         if _timeline.configured() and self._hooks is not None:
             if self._timeline_hooks is None or not self._timeline_hooks.handles:
-                self._timeline_hooks = install_unless_present(self.model)
+                self._timeline_hooks = install_unless_present(self.model, self._prefix)
         elif self._timeline_hooks is not None:
             self._timeline_hooks.remove()
             self._timeline_hooks = None
@@ -434,10 +435,10 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
     bf.win_free()) when done."""
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
-        super().__init__(optimizer, model, num_steps_per_communication)
         if window_prefix is not None and not isinstance(window_prefix, str):
             raise TypeError(f"window_prefix must be a string, got {window_prefix!r}")
         self._prefix = "" if window_prefix is None else window_prefix + "."
+        super().__init__(optimizer, model, num_steps_per_communication)
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)
         self._launch_after_forward(model, self._put)

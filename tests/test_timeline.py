@@ -202,6 +202,11 @@ def test_optimizer_wrappers_record_compute_and_communication_per_parameter(ops_t
                 assert acts.count("ENQUEUE_NEIGHBOR_ALLREDUCE") == 3, (p, acts)
                 assert 3 <= acts.count("BACKWARD") <= 6, (p, acts)
                 assert t.activities(p, "communication").count("MPI_NEIGHBOR_ALLREDUCE") == 3
+        for p in ("wp.winput1.weight", "wp.winput1.bias", "wp.winput2.weight", "wp.winput2.bias"):
+            acts = t.activities(p, "main")
+            assert acts.count("FORWARD") == 3 and acts.count("ENQUEUE_WIN_PUT") == 3, (p, acts)
+            assert 3 <= acts.count("BACKWARD") <= 6, (p, acts)
+        assert not [s for s in t.spans if s[0].startswith("winput")], "rows without the window prefix"
 
 
 # ---- timeline off, bad prefix ------------------------------------------------------

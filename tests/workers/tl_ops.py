@@ -83,5 +83,13 @@ for tag, wrapper in (("awc", bf.DistributedAdaptWithCombineOptimizer),
         opt.zero_grad()
         net(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step()
+# WinPut communicates under its window prefix ("wp.<name>"): so do its compute spans
+net = Net("winput")
+opt = bf.DistributedWinPutOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), net, window_prefix="wp")
+for step in range(3):
+    opt.zero_grad()
+    net(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+opt.free_windows()
 bf.shutdown()
 print(f"AGENT OK {r}", flush=True)
