@@ -243,11 +243,11 @@ def _check_is_weighted(is_weighted):
         raise TypeError(f"is_weighted must be True or False, got {is_weighted!r}")
 
 
-def _validate_graph(G, n, what, is_weighted=False):
+def _validate_graph(G, n, what, is_weighted=False, unit="agent"):
     if not isinstance(G, nx.Graph):
         raise TypeError(f"{what} must be a networkx.DiGraph, got {type(G).__name__}")
     if G.number_of_nodes() != n or set(G.nodes) != set(range(n)):
-        raise ValueError(f"{what} must have nodes 0..{n - 1} (one per agent), "
+        raise ValueError(f"{what} must have nodes 0..{n - 1} (one per {unit}), "
                          f"got {G.number_of_nodes()} nodes")
     if is_weighted:
         for i, j, w in G.edges(data="weight", default=1.0):
@@ -345,7 +345,7 @@ def set_machine_topology(topology, is_weighted=False):
 
     def validated():
         _check_is_weighted(is_weighted)
-        G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted)
+        G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted, unit="machine")
         return G, _fingerprint(G)
     from .ops import _negotiate
     G, views = _negotiate("set_machine_topology", validated)

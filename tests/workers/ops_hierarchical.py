@@ -61,6 +61,13 @@ for dt, npdt, wrap, fine in (
     want = [sum(col) // per for col in zip(*(fine(r) for r in mine))]     # exact, Python ints
     assert got.dtype == dt and got.tolist() == want, (dt, got, want)
 
+# a machine topology of the wrong size is named as one (every agent raises)
+try:
+    bf.set_machine_topology(topo.ExponentialGraph(M + 1))
+    raise AssertionError("a machine topology with a node too many was accepted")
+except ValueError as e:
+    assert f"machine topology must have nodes 0..{M - 1} (one per machine), got {M + 1} nodes" in str(e), e
+
 # static machine topology (Exp-2 over machines, uniform weights)
 W = topo.mixing_matrix(topo.ExponentialGraph(M))
 A = (W > 0).astype(float)
