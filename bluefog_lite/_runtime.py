@@ -114,7 +114,7 @@ def _machine_layout(comm):
 
 
 def _set_compute_threads(local_size):
-    """Ranks that share cores must not each start a full BLAS/OpenMP pool (LIMITS.md point 2)."""
+    """Ranks that share cores must not each start a full BLAS/OpenMP pool (../shared/LIMITS.md point 2)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -10,7 +10,7 @@ the window was created with)::
     data              the *exposed copy* of the agent's window tensor (read by win_get)
     data + (1+i)*slot buffer i: what in-neighbor ``in_ranks[i]`` wrote
 
-Why this shape (see LIMITS.md point 3): ``Win.Allocate`` memory is shared memory
+Why this shape (see ../shared/LIMITS.md point 3): ``Win.Allocate`` memory is shared memory
 between agents of one host, and with ``Lock_all(MODE_NOCHECK)`` taken once at
 creation a put, an accumulate, a flush and the atomics of the mutex need no MPI
 call from the target at all. Off-host, the target's communication thread drives

@@ -2,7 +2,7 @@
 
 ``current`` is None while the timeline is off, so a disabled timeline costs one
 attribute read and one comparison per event site. While it is on, an event
-costs one ``perf_counter_ns()`` and one ``deque.append`` of a tuple (LIMITS.md
+costs one ``perf_counter_ns()`` and one ``deque.append`` of a tuple (../shared/LIMITS.md
 point 5); formatting happens on the writer thread (_writer.py).
 """
 import collections

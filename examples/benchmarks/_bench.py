@@ -2,7 +2,7 @@
 
 Import this module first: it pins one BLAS/OpenMP thread per agent before
 numpy or torch start their thread pools (agents share cores; idle OpenBLAS
-threads spin, LIMITS.md point 2).
+threads spin, ../shared/LIMITS.md point 2).
 """
 import json
 import os
