@@ -18,8 +18,7 @@ from bluefog_lite.timeline._reader import metadata, read_events, read_spans
 from mpi_helpers import REPO, WORKERS, run_agents
 
 SUB_PHASES = {"ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "NEGOTIATION",
-              "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE",
-              "ACQUIRE_MUTEX"}
+              "MEMCPY_IN_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE", "ACQUIRE_MUTEX"}
 
 
 # ---- reading a trace -----------------------------------------------------------

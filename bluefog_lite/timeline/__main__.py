@@ -19,9 +19,10 @@ def _parser():
     m.add_argument("prefix", metavar="PREFIX")
     m.add_argument("-o", "--output", required=True, metavar="MERGED.json")
     m.add_argument("--topology", choices=_TOPOLOGIES, metavar="NAME",
-                   help="the run's static topology (a builder of the topology package, e.g. "
-                        "ExponentialTwoGraph): neighbor-operation arrows follow its edges; without it "
-                        "they connect every pair of agents, as the files do not record neighbors")
+                   help="for files without SEND_TO marks (written by older versions): the run's static "
+                        "topology (a builder of the topology package, e.g. ExponentialTwoGraph), whose "
+                        "edges neighbor-operation arrows then follow; without it they connect every pair "
+                        "of agents. Files with the marks get arrows to the ranks each call sent to")
     m.add_argument("--no-flows", action="store_true", help="leave out the arrows")
     s = sub.add_parser("summary", help="time per phase, overlap, stragglers, per agent",
                        description="Per agent: time in FORWARD, BACKWARD, communication and each of its "
