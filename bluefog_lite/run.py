@@ -140,7 +140,7 @@ def _make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bfrun", allow_abbrev=False,
         description="Launch a bluefog_lite job: run COMMAND as N MPI ranks.",
-        epilog="Example: bfrun -np 4 python examples/train.py --epochs 2")
+        epilog="Example: bfrun -np 4 python examples/cnn_patterns.py --epochs 2")
     parser.add_argument("-np", "-n", dest="np", type=_positive_int, metavar="N",
                         help="number of ranks (processes) to start")
     hosts = parser.add_mutually_exclusive_group()
