@@ -150,6 +150,7 @@ def test_mpi_span_lies_within_its_enqueue_span(ops_traces):
         for tensor in ("nar", "ar", "nb.0", "nb.3"):
             enq = [s for s in t.spans if s[0] == tensor and s[2].startswith("ENQUEUE_")]
             mpi = [s for s in t.spans if s[0] == tensor and s[2].startswith("MPI_")]
+            assert enq and len(enq) == len(mpi), (tensor, enq, mpi)
             for e, m in zip(enq, mpi):
                 assert e[3] <= m[3] and m[4] <= e[4], (tensor, e, m)
 

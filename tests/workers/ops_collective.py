@@ -121,22 +121,34 @@ try:
 except ValueError as e:
     assert "rank 0: float32[4]" in str(e), str(e)
 
-# parameters and optimizer state
+# parameters and optimizer state: rank 0's values (its parameters gathered before the
+# broadcast; its Adam state after one step with gradient 1, in closed form), then the
+# average of values that differ by rank
 model = torch.nn.Linear(3, 2)
 torch.manual_seed(rank)
 with torch.no_grad():
     for p in model.parameters():
         p.normal_()
 opt = torch.optim.Adam(model.parameters(), lr=0.1 * (rank + 1))
-model(torch.ones(1, 3)).sum().backward()
+((rank + 1) * model(torch.ones(1, 3)).sum()).backward()      # every gradient entry is rank + 1
 opt.step()
+flat = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+root_params = bf.allgather(flat().view(1, -1), name="check.params")[0]
 bf.broadcast_parameters(model.state_dict(), root_rank=0)
-flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-allflat = bf.allgather(flat.view(1, -1), name="check.params")
-assert all(torch.equal(allflat[0], allflat[r]) for r in range(size))
+assert torch.equal(flat(), root_params), f"rank {rank}: parameters are not rank 0's"
 bf.broadcast_optimizer_state(opt, root_rank=0)
 assert opt.param_groups[0]["lr"] == 0.1
+beta1, beta2 = opt.param_groups[0]["betas"]
+for p in model.parameters():
+    st = opt.state[p]
+    assert float(st["step"]) == 1, st["step"]
+    assert torch.allclose(st["exp_avg"], torch.full_like(p, 1 - beta1), rtol=1e-6), st["exp_avg"]
+    assert torch.allclose(st["exp_avg_sq"], torch.full_like(p, 1 - beta2), rtol=1e-6), st["exp_avg_sq"]
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(rank)
 bf.allreduce_parameters(dict(model.named_parameters()))
+np.testing.assert_allclose(flat().numpy(), root_params.numpy() + (size - 1) / 2, rtol=1e-6, atol=1e-6)
 
 bf.barrier()
 bf.shutdown()

@@ -1,5 +1,6 @@
 """Optimizer wrappers on a heterogeneous linear least-squares problem at 4+ agents:
 every communicating variant reaches the centralized solution; 'empty' does not."""
+import copy
 import sys
 
 import numpy as np
@@ -96,9 +97,38 @@ if comm == "empty":
     assert err > 0.2, f"no communication must not reach the centralized solution (err {err})"
 else:
     assert err < 0.02, f"rank {rank}: relative error {err:.3e} to the centralized solution"
-# state_dict round trip through the wrapper
-sd = dopt.state_dict()
+if wrapper == "gar":
+    # gradient allreduce is centralized training on the pooled data: the same optimizer
+    # and schedule in plain torch, on the mean of every agent's loss, step for step
+    sim = torch.nn.Linear(d, 1).double()
+    with torch.no_grad():
+        sim.weight.zero_()
+        sim.bias.zero_()
+    sim_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.5),
+               "adam": lambda p: torch.optim.Adam(p, lr=lr)}[base](sim.parameters())
+    sim_sched = torch.optim.lr_scheduler.StepLR(sim_opt, step_size=600, gamma=0.3)
+    data = [tuple(torch.from_numpy(v) for v in local_data(r)) for r in range(size)]
+    for it in range(steps):
+        sim_opt.zero_grad()
+        (sum(0.5 * ((sim(Ar).squeeze(1) - br) ** 2).mean() for Ar, br in data) / size).backward()
+        sim_opt.step()
+        sim_sched.step()
+    x_sim = torch.cat([sim.weight.detach().reshape(-1), sim.bias.detach()]).numpy()
+    np.testing.assert_allclose(x, x_sim, rtol=1e-7, atol=1e-9, err_msg=f"rank {rank}: not the centralized run")
+# state_dict round trip through the wrapper: what is saved comes back into the
+# optimizer it wraps after its state and learning rate were overwritten
+sd = copy.deepcopy(dopt.state_dict())
+assert sd["state"] and sd["param_groups"][0]["lr"] == lr * 0.3 ** (steps // 600), sd["param_groups"]
+for st in opt.state.values():
+    for v in st.values():
+        if torch.is_tensor(v):
+            v.fill_(-7.0)
+opt.param_groups[0]["lr"] = 123.0
 dopt.load_state_dict(sd)
 assert dopt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == lr * 0.3 ** (steps // 600)
+back = opt.state_dict()["state"]
+for i, st in sd["state"].items():
+    for k, v in st.items():
+        assert torch.equal(torch.as_tensor(back[i][k]), torch.as_tensor(v)), (i, k, back[i][k], v)
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)

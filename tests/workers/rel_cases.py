@@ -259,13 +259,15 @@ attempt("params.optimizer_kind", bf.broadcast_optimizer_state,
 
 def _parameters_after_errors():
     net = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        net.bias.add_(RANK)      # the agents' parameters differ
+    flat = lambda: torch.cat([net.weight.detach().ravel(), net.bias.detach().ravel()])
+    root = bf.allgather(flat().unsqueeze(0), name="params.gathered")[1]
     bf.broadcast_parameters(net.state_dict(), root_rank=1)
-    got = torch.cat([net.weight.detach().ravel(), net.bias.detach().ravel()])
-    every = bf.allgather(got.unsqueeze(0), name="params.gathered")
-    if not all(torch.equal(every[r], every[1]) for r in range(SIZE)):
-        return "parameters differ after broadcast_parameters"
+    if not torch.equal(flat(), root):
+        return "parameters are not rank 1's after broadcast_parameters"
     opt = torch.optim.Adam(net.parameters(), lr=0.01 * (RANK + 1))
-    if RANK == 1:
+    if RANK == 1:                # one step with gradient 1: exp_avg 1 - beta1, exp_avg_sq 1 - beta2
         net(torch.ones(1, 3)).sum().backward()
         opt.step()
     if RANK == 2:
@@ -274,6 +276,12 @@ def _parameters_after_errors():
     st = opt.state_dict()
     if st["param_groups"][0]["lr"] != 0.02 or sorted(st["state"]) != [0, 1]:
         return f"optimizer state not root's: lr {st['param_groups'][0]['lr']}, state {sorted(st['state'])}"
+    beta1, beta2 = st["param_groups"][0]["betas"]
+    for i, p in enumerate(net.parameters()):
+        s = st["state"][i]
+        if not (torch.allclose(s["exp_avg"], torch.full_like(p, 1 - beta1))
+                and torch.allclose(s["exp_avg_sq"], torch.full_like(p, 1 - beta2)) and float(s["step"]) == 1):
+            return f"optimizer state of parameter {i} is not rank 1's: {s}"
     return None
 
 

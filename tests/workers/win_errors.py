@@ -97,7 +97,7 @@ bf.win_put(torch.ones(3, 2), "e")
 bf.barrier()
 assert torch.equal(bf.win_update("e", 0.0, {s: 1.0 for s in IN}), torch.full((3, 2), float(len(IN))))
 y = bf.neighbor_allreduce(torch.full((2,), float(rank)), name="still.works")
-assert y.shape == (2,)
+assert torch.allclose(y, torch.full((2,), (rank + sum(IN)) / (len(IN) + 1))), y    # uniform weights
 
 # -- set_topology refuses while a window exists -----------------------------------------------------
 with warnings.catch_warnings(record=True) as caught:
@@ -111,5 +111,9 @@ assert bf.set_topology(topo.RingGraph(size)) is True
 # -- shutdown frees the windows that are left --------------------------------------------------------
 bf.win_create(torch.ones(4), "left.open")
 bf.win_create(torch.ones(4), "left.open.too", zero_init=True)
+bf.shutdown()
+bf.init()          # a new start: the windows shutdown freed are gone, their names free again
+assert bf.get_current_created_window_names() == []
+assert bf.win_create(torch.ones(4), "left.open")
 bf.shutdown()
 sys.stdout.write(f"AGENT OK {rank}\n")

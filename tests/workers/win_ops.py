@@ -181,6 +181,8 @@ bf.win_put(px, "p", dst_weights={d: 0.5 for d in OUT})    # p buffer = 0.5 * p o
 bf.barrier()
 p_of = {r: 1.0 + sum(1.0 + k for k in range(len(ins(G, r)))) * 0.25 for r in range(size)}
 y = bf.win_update_then_collect("p")
+v = {r: data(r, 8) + sum((1.0 + k) * 0.25 * data(s, 8) for k, s in enumerate(ins(G, r))) for r in range(size)}
+close(y, v[rank] + sum(0.5 * v[s] for s in IN))       # each agent's tensor after its win_update above
 close(bf.win_associated_p("p"), p_of[rank] + sum(0.5 * p_of[s] for s in IN))
 bf.barrier()
 bf.win_free()
