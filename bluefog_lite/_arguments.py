@@ -11,6 +11,8 @@ from ._stream import plain
 
 REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
              torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}    # what allreduce sums
+# what neighbor operations average (their weighted sums are torch's, in float64 for integers)
+_AVERAGEABLE = REDUCIBLE | {getattr(torch, u) for u in ("uint16", "uint32", "uint64") if hasattr(torch, u)}
 
 
 def _tensor(t, what="tensor"):
@@ -21,14 +23,22 @@ def _tensor(t, what="tensor"):
     if t.device.type != "cpu":
         raise TypeError(f"{what} is on device {t.device}; bluefog_lite operations take CPU tensors "
                         "(move it with .cpu() first)")
-    if t.is_sparse:
-        raise TypeError(f"{what} is sparse; pass a dense tensor")
+    if t.is_nested:
+        raise TypeError(f"{what} is a nested tensor; pass a dense tensor")
+    if t.layout != torch.strided:
+        raise TypeError(f"{what} is sparse; pass a dense tensor (layout {t.layout})")
+    if t.is_quantized:
+        raise TypeError(f"{what} is quantized ({t.dtype}); pass t.dequantize()")
     return plain(t)
 
 
 def _numeric(t, op):
     if t.dtype == torch.bool:
         raise TypeError(f"{op} cannot average bool tensors; convert to a numeric dtype")
+    if t.dtype not in _AVERAGEABLE:
+        raise TypeError(f"{op} cannot average {str(t.dtype).replace('torch.', '')} tensors; convert to "
+                        "float32 (averaging takes floating-point, complex and integer tensors of the "
+                        f"dtypes {sorted(str(d).replace('torch.', '') for d in _AVERAGEABLE)})")
     return t
 
 
@@ -95,9 +105,11 @@ def _reducible(t, kind):
 def _ranks_named(ranks, size, me):
     """The possible peers that ranks (a dict's keys or a list) names, read leniently:
     what an agent whose arguments were rejected can still tell about its peers."""
+    if ranks is None:
+        return []
     try:
         items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
-    except TypeError:
+    except Exception:       # anything: the caller is already reporting bad arguments
         return []
     return sorted({int(r) for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
                    and 0 <= r < size and r != me})
@@ -108,7 +120,7 @@ def _peers(topo, static, srcs, dsts, size, me):
     be bad: the topology's in static mode, else the ranks the arguments name."""
     if static:
         return topo.out_ranks, topo.in_ranks
-    return _ranks_named(dsts or (), size, me), _ranks_named(srcs or (), size, me)
+    return _ranks_named(dsts, size, me), _ranks_named(srcs, size, me)
 
 
 def _overlaps(t):

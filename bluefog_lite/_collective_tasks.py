@@ -32,6 +32,14 @@ def _reduced_in(dtype, average):
     return dtype
 
 
+def _writes_in_place(target):
+    """True if MPI can write an in-place form's result straight into target: its
+    memory holds its values in order (contiguous, no lazy conjugate or negation:
+    into the others the result is copied, which applies their view)."""
+    return (target is not None and target.is_contiguous() and not target.is_conj()
+            and not target.is_neg())
+
+
 def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x))
@@ -42,7 +50,7 @@ def allreduce(eng, op, x, average, target):
         if wide != dtype:
             x = out = x.to(wide)
         else:
-            out = target if target is not None and target.is_contiguous() else torch.empty_like(x)
+            out = target if _writes_in_place(target) else torch.empty_like(x)
     src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
     yield from _collective_call(eng, op, out.numel() > 0,
                                 lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
@@ -64,7 +72,7 @@ def broadcast(eng, op, x, root, target):
     views = yield from exchange_headers(eng, op, (root, _meta(x)))
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        if target is not None and target.is_contiguous():
+        if _writes_in_place(target):
             out = target
         else:
             out = torch.empty_like(x)

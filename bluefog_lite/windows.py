@@ -69,7 +69,7 @@ def _create_problem(tensor, name, st):
         return "ValueError", f"a window named {name!r} already exists (win_free it first)"
     if not isinstance(tensor, torch.Tensor):
         return "TypeError", f"tensor must be a torch.Tensor, got {type(tensor).__name__}"
-    if tensor.device.type != "cpu" or tensor.is_sparse:
+    if tensor.device.type != "cpu" or tensor.is_nested or tensor.layout != torch.strided:
         return "TypeError", f"tensor must be a dense CPU tensor, got layout {tensor.layout} on {tensor.device}"
     if tensor.dtype not in _win_tasks.DTYPES:
         allowed = sorted(str(d).replace("torch.", "") for d in _win_tasks.DTYPES)

@@ -234,6 +234,7 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("nar_static", 1, "TypeError", "cannot average bool tensors", [2, 3]),
     ("nar_checked", 2, "ValueError", "rank in src_weights 9 is out of range", [0, 1, 3]),
     ("nar_unchecked", 3, "ValueError", "self_weight must be finite", [0]),
+    ("nar_numpy_ranks", 1, "TypeError", "dst_weights must be a dict", [2]),
     ("nag_static", 0, "ValueError", "at least one dimension", [1, 2]),
     ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),
     ("local_allreduce", 2, "TypeError", "allreduce supports", [0, 1, 3]),
@@ -366,6 +367,19 @@ def test_cuda_tensors_get_a_clear_error_without_cuda(cases):
     for case in ops:
         raised(cases, case, "TypeError", "on device cuda:0", "CPU tensors", ".cpu()")
     raised(cases, "cuda.win_create", "TypeError", "dense CPU tensor", "on cuda:0")
+
+
+def test_layouts_and_dtypes_that_cannot_be_sent_get_a_clear_error(cases):
+    """Sparse CSR, nested and quantized tensors are refused by name (raised on every agent
+    before anything is sent, so nobody waits); a float8 tensor cannot be averaged; the
+    unsigned integers beyond uint8 can."""
+    for kind, words in (("sparse_csr", ("is sparse; pass a dense tensor", "sparse_csr")),
+                        ("nested", ("nested tensor",)), ("quantized", ("is quantized", "dequantize()"))):
+        for op_name in ("neighbor_allreduce", "allreduce", "allgather", "broadcast"):
+            raised(cases, f"odd.{kind}.{op_name}", "TypeError", *words)
+        raised(cases, f"odd.{kind}.win_create", "TypeError", "win_create failed on every agent")
+    raised(cases, "odd.float8.neighbor_allreduce", "TypeError", "cannot average float8_e4m3fn tensors")
+    assert cases.of("odd.uint16.neighbor_allreduce") == {r: "OK" for r in range(N)}
 
 
 def test_non_contiguous_tensors_work(cases):

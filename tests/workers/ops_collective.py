@@ -83,6 +83,18 @@ xt = torch.from_numpy(data(rank, (3, 4))).t()
 bf.allreduce_(xt, name="ar.nc")
 np.testing.assert_allclose(xt.numpy(), np.stack([data(r, (3, 4)) for r in range(size)]).mean(0).T, rtol=1e-12)
 
+# in place into lazily conjugated / negated views: the result goes through the view
+zc = torch.from_numpy(data(rank, (3,)) + 1j * data(rank + 50, (3,)))
+view = zc.conj()
+bf.allreduce_(view, name="ar.conj_view")
+allzc = np.stack([data(r, (3,)) + 1j * data(r + 50, (3,)) for r in range(size)])
+np.testing.assert_allclose(view.resolve_conj().numpy(), np.conj(allzc).mean(0), rtol=1e-12)
+np.testing.assert_allclose(zc.numpy(), allzc.mean(0), rtol=1e-12)
+zi = torch.from_numpy(1j * data(rank, (3,)))
+neg = zi.conj().imag                                  # -data(rank), a negated view
+bf.broadcast_(neg, size - 1, name="bc.neg_view")
+np.testing.assert_array_equal(zi.imag.numpy(), data(size - 1, (3,)))
+
 for root in range(size):
     x = torch.from_numpy(data(rank))
     y = bf.broadcast(x, root, name=f"bc.{root}")

@@ -221,6 +221,11 @@ ONE_AGENT_NEIGHBOR = (
         X, **dict(RING, self_weight=math.nan if bad == RANK else 0.5), enable_topo_check=False, name="one.unc"),
      3, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.unc"),
      lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
+    ("one_agent.nar_numpy_ranks", lambda bad: bf.neighbor_allreduce(
+        X, **dict(RING, dst_weights=np.array(RING["dst_weights"]) if bad == RANK else RING["dst_weights"]),
+        enable_topo_check=False, name="one.np"),
+     1, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.np"),
+     lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
     ("one_agent.nag_static", lambda bad: bf.neighbor_allgather(
         torch.ones(()) if bad == RANK else X, name="one.nag"),
      0, lambda: bf.neighbor_allgather(X, name="one.nag"), lambda xs: np.concatenate([xs[r] for r in IN])),
@@ -373,6 +378,24 @@ bf.win_create(torch.ones(4), "cpu")
 attempt("cuda.win_put", bf.win_put, G, "cpu")
 attempt("cuda.win_accumulate", bf.win_accumulate, G, "cpu")
 bf.win_free("cpu")
+
+
+# ---- layouts and dtypes that cannot be sent or averaged, on every agent ------------------------
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")     # (torch: sparse CSR is beta, quantized and nested are prototypes)
+    ODD = {"sparse_csr": torch.ones(2, 2).to_sparse_csr(),
+           "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+           "quantized": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}
+for kind, t in ODD.items():
+    for op_name, fn, args in (("neighbor_allreduce", bf.neighbor_allreduce, (t,)),
+                              ("allreduce", bf.allreduce, (t,)), ("allgather", bf.allgather, (t,)),
+                              ("broadcast", bf.broadcast, (t, 0)), ("win_create", bf.win_create, (t, "odd"))):
+        attempt(f"odd.{kind}.{op_name}", fn, *args)
+attempt("odd.float8.neighbor_allreduce", bf.neighbor_allreduce, torch.ones(2).to(torch.float8_e4m3fn))
+check("odd.uint16.neighbor_allreduce", lambda: close(
+    bf.neighbor_allreduce(torch.full((2,), 10 * (RANK + 1), dtype=torch.uint16), name="u16"),
+    np.full(2, np.round(exp2_average([np.full(2, 10.0 * (r + 1)) for r in range(SIZE)])[0]))))
 
 
 # ---- non-contiguous, zero-element and 0-d tensors work ------------------------------------------
