@@ -69,6 +69,11 @@ _monotonic = time.monotonic
 _ABANDONED = []
 
 
+# Handles are unique in the process, across init/shutdown cycles: a handle kept from
+# before a shutdown must not name an operation of the next run.
+_HANDLES = itertools.count(1)
+
+
 def _drain(iterator):
     """Run an iterator to its end at C speed (collections.deque with maxlen 0)."""
     collections.deque(iterator, maxlen=0)
@@ -136,7 +141,6 @@ class Engine(CallerDrive, StallInspector):
         self._queue = collections.deque()
         self._ops = {}                 # handle -> Op (until synchronized)
         self._names = set()            # names of ops not yet synchronized
-        self._handles = itertools.count(1)
         self._active = set()           # admitted, not finished
         self._polled = set()           # ops checked every cycle (Turn, Requests, Sleep, sends)
         self._completing = []          # finished ops, completed at the next flush
@@ -192,7 +196,7 @@ class Engine(CallerDrive, StallInspector):
 
     def _new_op(self, name, kind, fuse=None):
         """An Op with the next handle (under the lock), its task still to be set."""
-        return Op(next(self._handles), name, kind, None, fuse)
+        return Op(next(_HANDLES), name, kind, None, fuse)
 
     def _ring_if_asleep(self):
         if self._sleeping and not self._rung:   # one ring per sleep, not one per operation
@@ -208,6 +212,8 @@ class Engine(CallerDrive, StallInspector):
                 self._cv.notify()
 
     def _lookup(self, handle):
+        if handle.__class__ is not int:
+            raise TypeError(f"handle must be the int that a *_nonblocking call returned, got {handle!r}")
         op = self._ops.get(handle)
         if op is None:
             raise ValueError(f"handle {handle!r} is unknown or was already synchronized")

@@ -110,6 +110,8 @@ def test_init_with_a_bad_topology_fn_fails_on_every_agent(cases):
     raised(cases, "init.topology_fn_wrong_size", "ValueError", "topology_fn", "nodes 0..3", "got 5 nodes")
     raised(cases, "init.topology_fn_not_callable", "TypeError", "topology_fn must be a callable")
     raised(cases, "init.topology_fn_differs", "ValueError", "different graphs on different agents")
+    raised(cases, "init.is_weighted_differs", "ValueError", "init: agents passed different is_weighted",
+           "rank 2: True")
     raised(cases, "init.after_failed_init", "BluefogError", "not initialized")   # and init() works after
 
 
@@ -294,6 +296,9 @@ def test_set_topology_with_a_graph_of_the_wrong_size_or_not_a_graph(cases):
     raised(cases, "topology.wrong_size", "ValueError", "nodes 0..3", "got 5 nodes")
     raised(cases, "topology.not_a_graph", "TypeError", "networkx.DiGraph", "got list")
     raised(cases, "topology.is_weighted_not_bool", "TypeError", "is_weighted must be True or False, got 'no'")
+    raised(cases, "topology.is_weighted_differs", "ValueError", "agents passed different is_weighted",
+           "rank 0: True, rank 1: False")
+    assert cases.of("topology.unchanged_after_refusal") == {r: "OK" for r in range(N)}
 
 
 def test_bad_topology_input_on_one_agent_fails_on_every_agent(cases):
@@ -352,8 +357,12 @@ def test_the_same_name_twice_while_in_flight(cases):
 
 
 def test_a_handle_synchronized_twice(cases):
-    for case in ("handle.twice", "handle.poll_after_synchronize", "handle.win_wait_twice", "handle.unknown"):
+    for case in ("handle.twice", "handle.poll_after_synchronize", "handle.win_wait_twice", "handle.unknown",
+                 "handle.from_before_shutdown"):
         raised(cases, case, "ValueError", "is unknown or was already synchronized")
+    for case in ("handle.float", "handle.list"):
+        raised(cases, case, "TypeError", "handle must be the int that a *_nonblocking call returned")
+    assert cases.of("handle.after_init") == {r: "OK" for r in range(N)}
 
 
 # ---- CUDA, non-contiguous, zero-element ------------------------------------------------------------

@@ -115,6 +115,7 @@ attempt("init.topology_fn_wrong_size", bf.init, topology_fn=lambda n: topo.RingG
 attempt("init.topology_fn_not_callable", bf.init, topology_fn=topo.RingGraph(SIZE))
 attempt("init.topology_fn_differs", bf.init,
         topology_fn=lambda n: topo.StarGraph(n) if RANK == 1 else topo.RingGraph(n))
+attempt("init.is_weighted_differs", bf.init, topology_fn=topo.StarGraph, is_weighted=RANK == 2)
 attempt("init.after_failed_init", bf.rank)
 bf.init()
 assert (bf.rank(), bf.size()) == (RANK, SIZE) and SIZE == 4
@@ -310,6 +311,9 @@ attempt("one_agent.infer_sources", bf.InferSourceFromDestinationRanks, [SIZE] if
 check("one_agent.after_topology", lambda: None if bf.InferSourceFromDestinationRanks([(RANK + 1) % SIZE])
       == [(RANK - 1) % SIZE] else "wrong sources")
 attempt("topology.is_weighted_not_bool", bf.set_topology, topo.RingGraph(SIZE), is_weighted="no")
+attempt("topology.is_weighted_differs", bf.set_topology, topo.StarGraph(SIZE), is_weighted=RANK == 0)
+check("topology.unchanged_after_refusal", lambda: None if bf.load_topology().number_of_edges()
+      == topo.ExponentialGraph(SIZE).number_of_edges() and not bf.is_topo_weighted() else "topology changed")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     bf.init(topology_fn=topo.RingGraph)
@@ -353,6 +357,8 @@ attempt("name.twice.allreduce", bf.allreduce_nonblocking, X, name="twice.ar")
 attempt("handle.twice", lambda: [bf.synchronize(h), bf.synchronize(h)])
 attempt("handle.poll_after_synchronize", bf.poll, h)
 attempt("handle.unknown", bf.wait, 10 ** 9)
+attempt("handle.float", bf.synchronize, 1.0)
+attempt("handle.list", bf.win_wait, [1])
 bf.win_create(torch.zeros(2), "hw")
 wh = bf.win_put_nonblocking(torch.ones(2), "hw")
 attempt("handle.win_wait_twice", lambda: [bf.win_wait(wh), bf.win_wait(wh)])
@@ -453,6 +459,14 @@ for kind, shape, make in (("noncontiguous", (3, 4), transposed), ("empty", (0, 3
 
 
 # ---- after shutdown ------------------------------------------------------------------------------
+
+# a handle kept across shutdown and init names no operation of the new run
+OLD = bf.allreduce_nonblocking(X, name="kept")
+bf.shutdown()
+bf.init()
+NEW = bf.allreduce_nonblocking(torch.full((3, 4), float(RANK), dtype=torch.float64), name="new")
+attempt("handle.from_before_shutdown", bf.synchronize, OLD)
+check("handle.after_init", lambda: close(bf.synchronize(NEW), np.full((3, 4), (SIZE - 1) / 2)))
 
 bf.shutdown()
 runtime_calls("after_shutdown")
