@@ -6,17 +6,30 @@ from ._runtime import state
 
 
 def _named(params):
+    """params as a list of (name, tensor), names unique; TypeError or ValueError
+    naming the entry that is not a tensor or not a (name, tensor) pair."""
     if isinstance(params, dict):
-        return sorted(params.items())
-    if hasattr(params, "named_parameters"):
-        return list(params.named_parameters())
-    if isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        items = sorted(((str(n), p) for n, p in params.items()), key=lambda item: item[0])
+    elif hasattr(params, "named_parameters"):
+        items = list(params.named_parameters())
+    elif isinstance(params, (torch.Tensor, str, bytes)) or not hasattr(params, "__iter__"):
         raise TypeError("params must be a state_dict(), named_parameters() or a list of tensors, "
                         f"got {type(params).__name__}")
-    items = list(params)
-    if items and not isinstance(items[0], (tuple, list)):
-        return [(str(i), p) for i, p in enumerate(items)]
-    return items
+    else:
+        items = list(params)
+        if items and not isinstance(items[0], (tuple, list)):
+            items = [(str(i), p) for i, p in enumerate(items)]
+    seen = set()
+    for k, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise TypeError(f"params entry {k} must be a (name, tensor) pair, got {item!r:.60}")
+        name, p = item
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params entry {name!r} must be a tensor, got {type(p).__name__}")
+        if str(name) in seen:
+            raise ValueError(f"params has two entries named {str(name)!r}; names must be unique")
+        seen.add(str(name))
+    return [(str(n), p) for n, p in items]
 
 
 def _difference(call, views):
@@ -55,7 +68,10 @@ def _agreed(call, params, root_rank=None, keep=lambda p: True):
     def validated():
         if root_rank is not None:
             _arguments._rank(root_rank, "root_rank", st.size)
-        items = [(str(n), p) for n, p in _named(params) if isinstance(p, torch.Tensor) and keep(p)]
+        items = [(n, p) for n, p in _named(params) if keep(p)]
+        for n, p in items:       # what the in-place operations would refuse, before any runs
+            _arguments._tensor(p, f"parameter {n!r}")
+            _arguments._writable(p, f"{call}: parameter {n!r}")
         return items, [(n, _tasks._meta(p)) for n, p in items]
     items, views = ops._negotiate(f"{call}.check", validated)
     wrong = _difference(call, views)
@@ -69,10 +85,7 @@ def broadcast_parameters(params, root_rank):
     Every agent must pass the same names, shapes and dtypes (checked first: a difference
     raises on every agent and changes nothing)."""
     items = _agreed("broadcast_parameters", params, root_rank)
-    handles = [ops.broadcast_nonblocking_(p, root_rank, name=f"broadcast.param.{name}")
-               for name, p in items]
-    for h in handles:
-        ops.synchronize(h)
+    _all_of([ops.broadcast_nonblocking_(p, root_rank, name=f"broadcast.param.{name}") for name, p in items])
 
 
 def allreduce_parameters(params):
@@ -80,10 +93,19 @@ def allreduce_parameters(params):
     averaged, e.g. bool buffers, are left as they are). Checked like broadcast_parameters."""
     items = _agreed("allreduce_parameters", params,
                     keep=lambda p: p.is_floating_point() or p.dtype in _arguments.REDUCIBLE)
-    handles = [ops.allreduce_nonblocking_(p, average=True, name=f"allreduce.param.{name}")
-               for name, p in items]
+    _all_of([ops.allreduce_nonblocking_(p, average=True, name=f"allreduce.param.{name}") for name, p in items])
+
+
+def _all_of(handles):
+    """Synchronize every handle (so that no name stays in use), then raise the first error."""
+    error = None
     for h in handles:
-        ops.synchronize(h)
+        try:
+            ops.synchronize(h)
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def broadcast_optimizer_state(optimizer, root_rank):

@@ -275,6 +275,14 @@ def test_parameter_helpers_check_every_agents_parameters_first(cases):
     raised(cases, "params.optimizer_kind", "ValueError", "agents passed different optimizers",
            "rank 1: SGD", "rank 2: Adam")
     assert cases.of("params.after_errors") == {r: "OK" for r in range(N)}
+    raised(cases, "params.expanded", "ValueError", "allreduce_parameters: parameter 'b': the tensor's elements "
+           "share memory", ranks=[1])
+    raised(cases, "params.expanded", "ValueError", "failed on every agent because of bad input", "rank 1",
+           ranks=[0, 2, 3])
+    assert cases.of("params.expanded_unchanged") == {r: "OK" for r in range(N)}
+    raised(cases, "params.duplicate_names", "ValueError", "params has two entries named 'c'")
+    raised(cases, "params.not_tensors", "TypeError", "params entry 'a' must be a tensor, got str")
+    assert cases.of("params.names_free_after_errors") == {r: "OK" for r in range(N)}
 
 
 def test_in_place_into_an_expanded_tensor(cases):

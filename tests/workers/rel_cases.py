@@ -261,6 +261,15 @@ attempt("params.optimizer_root", bf.broadcast_optimizer_state,
         torch.optim.SGD(MODEL.parameters(), lr=0.1), SIZE if RANK == 3 else 0)
 attempt("params.optimizer_kind", bf.broadcast_optimizer_state,
         (torch.optim.Adam if RANK == 2 else torch.optim.SGD)(MODEL.parameters(), lr=0.1), 0)
+# a parameter the result cannot be written into (on one agent), checked before any is changed
+MINE = torch.full((2,), float(RANK))
+attempt("params.expanded", bf.allreduce_parameters,
+        {"a": MINE, "b": torch.ones(1).expand(3) if RANK == 1 else torch.ones(3)})
+check("params.expanded_unchanged", lambda: close(MINE, np.full(2, float(RANK)), tol=0))
+attempt("params.duplicate_names", bf.broadcast_parameters, [("c", torch.ones(1)), ("c", torch.ones(2))], 0)
+attempt("params.not_tensors", bf.broadcast_parameters, {"a": "x"}, 0)
+check("params.names_free_after_errors", lambda: close(bf.allreduce_parameters({"b": MINE}) or MINE,
+                                                      np.full(2, (SIZE - 1) / 2)))
 
 
 def _parameters_after_errors():
