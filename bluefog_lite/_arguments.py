@@ -5,6 +5,7 @@ with a message naming the argument."""
 import math
 import numbers
 
+import numpy as np
 import torch
 
 from ._stream import plain
@@ -30,6 +31,16 @@ def _tensor(t, what="tensor"):
     if t.is_quantized:
         raise TypeError(f"{what} is quantized ({t.dtype}); pass t.dequantize()")
     return plain(t)
+
+
+def _flag(value, what):
+    """value as a bool; a flag given anything but True or False (or a numpy bool) is
+    refused instead of being read by its truth value (average=None would sum)."""
+    if value.__class__ is bool:
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{what} must be True or False, got {value!r}")
 
 
 def _numeric(t, op):

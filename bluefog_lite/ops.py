@@ -11,7 +11,7 @@ import threading
 import torch
 
 from . import _collective_tasks, _neighbor_tasks, _quick, _tasks
-from ._arguments import (_numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
+from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
                          _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
 from ._runtime import plan_key, state
@@ -109,6 +109,7 @@ def _local_allreduce(name, tensor, average, target=None):
     tensor to write the result into (allreduce_), which must be writable."""
     st = state()
     try:
+        average = _flag(average, "average")
         x = _reducible(_tensor(tensor), "ALLREDUCE")
         if target is not None:
             _writable(target, "allreduce_")
@@ -127,12 +128,13 @@ def _local_allreduce(name, tensor, average, target=None):
 
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
-    if is_hierarchical_local:
+    if _flag(is_hierarchical_local, "is_hierarchical_local"):
         return _local_allreduce(name, tensor, average)
 
     def prepare():
+        avg = _flag(average, "average")
         x = _reducible(_tensor(tensor), "ALLREDUCE")
-        return lambda e, op: _collective_tasks.allreduce(e, op, x, average, None)
+        return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
     return _collective("ALLREDUCE", name, prepare)
 
 
@@ -143,13 +145,14 @@ def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
-    if is_hierarchical_local:
+    if _flag(is_hierarchical_local, "is_hierarchical_local"):
         return _local_allreduce(name, tensor, average, target=tensor)
 
     def prepare():
+        avg = _flag(average, "average")
         x = _reducible(_tensor(tensor), "ALLREDUCE")
         _writable(tensor, "allreduce_")
-        return lambda e, op: _collective_tasks.allreduce(e, op, x, average, tensor.detach())
+        return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, tensor.detach())
     return _collective("ALLREDUCE", name, prepare)
 
 
@@ -264,6 +267,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
     name = _op_name(name, "NEIGHBOR_ALLREDUCE")
     st = state()
     try:
+        _flag(enable_topo_check, "enable_topo_check")
         x = _numeric(_tensor(tensor), "neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
@@ -295,6 +299,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
     dynamic = src_ranks is not None or dst_ranks is not None
     check = bool(enable_topo_check) and dynamic
     try:
+        _flag(enable_topo_check, "enable_topo_check")
         x = _tensor(tensor)
         if x.dim() == 0:
             raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
@@ -330,6 +335,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
         raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
     try:
+        _flag(enable_topo_check, "enable_topo_check")
         x = _numeric(_tensor(tensor), "hierarchical_neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(
             self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,

@@ -15,7 +15,7 @@ import torch
 
 from . import _win_tasks
 from ._runtime import state
-from ._arguments import _overlaps, _rank, _tensor, _weight, _weight_dict
+from ._arguments import _flag, _overlaps, _rank, _tensor, _weight, _weight_dict, _writable
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
 _with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)
@@ -61,8 +61,12 @@ def _neighbor_weights(weights, allowed, what, direction, st, win):
     return given
 
 
-def _create_problem(tensor, name, st):
+def _create_problem(tensor, name, st, zero_init):
     """(error type name, message) for bad win_create input on this agent, or None."""
+    try:
+        _flag(zero_init, "zero_init")
+    except TypeError as exc:
+        return "TypeError", str(exc)
     if not isinstance(name, str) or not name:
         return "TypeError", f"name must be a non-empty string, got {name!r}"
     if name in st.windows:
@@ -146,13 +150,13 @@ def win_create(tensor, name, zero_init=False):
     global _poke_before
     st = state()
     eng = st.engine
-    problem = _create_problem(tensor, name, st)
+    problem = _create_problem(tensor, name, st, zero_init)
     win = meta = None
     if problem is None:
         win = _win_tasks.Window(name, tensor, st.topology, st.rank, st.size)
         meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
     h = eng.submit("win_create", "WIN_CREATE", lambda eng, op: _win_tasks.create(
-        eng, op, win, problem, meta, bool(zero_init)))
+        eng, op, win, problem, meta, bool(zero_init)))     # (checked: problem names a bad one)
     multi_host = eng.synchronize(h)
     if multi_host and _poke_before is None:
         # Off-host targets need their own MPI progress for puts to complete; on one
@@ -217,9 +221,12 @@ def _put(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking):
     else:
         dstw = _neighbor_weights(dst_weights, win.out_ranks, f"{what}: dst_weights", "out", st, win)
     sw = None if self_weight is None else _weight(self_weight, f"{what}: self_weight")
+    if sw is not None:      # the tensor is scaled in place
+        _writable(tensor, f"{what} with self_weight")
+    mutex = _flag(require_mutex, f"{what}: require_mutex")
     accumulate, with_p = kind == "WIN_ACCUMULATE", _with_p
     return _submit(win, kind, lambda eng, op: _win_tasks.put(
-        eng, op, win, tensor, x, dstw, sw, bool(require_mutex), accumulate, with_p), blocking)
+        eng, op, win, tensor, x, dstw, sw, mutex, accumulate, with_p), blocking)
 
 
 def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -257,9 +264,8 @@ def _get(name, src_weights, require_mutex, blocking):
         srcw = {r: 1.0 for r in win.in_ranks}
     else:
         srcw = _neighbor_weights(src_weights, win.in_ranks, "win_get: src_weights", "in", st, win)
-    with_p = _with_p
-    return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(
-        eng, op, win, srcw, bool(require_mutex), with_p), blocking)
+    mutex, with_p = _flag(require_mutex, "win_get: require_mutex"), _with_p
+    return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(eng, op, win, srcw, mutex, with_p), blocking)
 
 
 def win_get(name, src_weights=None, require_mutex=False):
@@ -283,9 +289,11 @@ def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone
         sw = _weight(self_weight, "win_update: self_weight")
         nbw = _neighbor_weights(neighbor_weights, win.in_ranks, "win_update: neighbor_weights", "in",
                                 st, win)
+    flags = (_flag(reset, "win_update: reset"), _flag(clone, "win_update: clone"),
+             _flag(require_mutex, "win_update: require_mutex"))
     with_p = _with_p
     return win_wait(_submit(win, "WIN_UPDATE", lambda eng, op: _win_tasks.update(
-        eng, op, win, sw, nbw, bool(reset), bool(clone), bool(require_mutex), with_p), True))
+        eng, op, win, sw, nbw, *flags, with_p), True))
 
 
 def win_update_then_collect(name, require_mutex=True):
@@ -304,6 +312,7 @@ def win_mutex(name, for_self=False, ranks=None):
     out-neighbors, or this agent with for_self=True) for the body of the with-block.
     Window ops of this agent that require the same mutexes run inside it."""
     st, win = _window(name, "win_mutex")
+    for_self = _flag(for_self, "win_mutex: for_self")
     if ranks is None:
         targets = [st.rank] if for_self else list(win.out_ranks)
     else:

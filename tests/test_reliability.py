@@ -386,6 +386,18 @@ def test_cuda_tensors_get_a_clear_error_without_cuda(cases):
     raised(cases, "cuda.win_create", "TypeError", "dense CPU tensor", "on cuda:0")
 
 
+def test_flags_must_be_true_or_false(cases):
+    """On every agent (the collective and neighbor forms join their negotiation with the
+    error, so nobody waits); numpy bools are bools."""
+    for case, words in (("flags.average", "average must be True or False, got None"),
+                        ("flags.average_local", "average must be True or False, got 'yes'"),
+                        ("flags.is_hierarchical_local", "is_hierarchical_local must be True or False"),
+                        ("flags.enable_topo_check", "enable_topo_check must be True or False, got 'no'"),
+                        ("flags.enable_topo_check_gather", "enable_topo_check must be True or False, got 0")):
+        raised(cases, case, "TypeError", words)
+    assert cases.of("flags.after") == {r: "OK" for r in range(N)}
+
+
 def test_layouts_and_dtypes_that_cannot_be_sent_get_a_clear_error(cases):
     """Sparse CSR, nested and quantized tensors are refused by name (raised on every agent
     before anything is sent, so nobody waits); a float8 tensor cannot be averaged; the

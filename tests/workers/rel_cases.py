@@ -179,6 +179,15 @@ nan_graph[0][1]["weight"] = float("nan")
 attempt("weights.nan_graph_weight", bf.set_topology, nan_graph, is_weighted=True)
 attempt("weights.self_without_src", bf.neighbor_allreduce, X, self_weight=0.5, name="w.half")
 attempt("weights.src_without_self", bf.neighbor_allreduce, X, src_weights={IN[0]: 0.5}, name="w.half")
+
+# ---- flags: True or False, not a truth value (average=None would sum) --------------------------
+attempt("flags.average", bf.allreduce, X, average=None, name="f.avg")
+attempt("flags.average_local", bf.allreduce, X, average="yes", is_hierarchical_local=True, name="f.avg.local")
+attempt("flags.is_hierarchical_local", bf.allreduce, X, is_hierarchical_local=None)
+attempt("flags.enable_topo_check", bf.neighbor_allreduce, X, enable_topo_check="no", name="f.check")
+attempt("flags.enable_topo_check_gather", bf.neighbor_allgather, X, enable_topo_check=0, name="f.check.g")
+check("flags.after", lambda: close(bf.allreduce(X, average=np.bool_(True), name="f.after"),
+                                   np.mean([data(r) for r in range(SIZE)], axis=0)))
 attempt("weights.self_and_dst_without_src", bf.neighbor_allreduce, X, self_weight=0.5,
         dst_weights=OUT, name="w.half")
 attempt("weights.bool_weight", bf.neighbor_allreduce, X, self_weight=True, src_weights={}, name="w.bool")

@@ -5,6 +5,7 @@ windows that are left."""
 import sys
 import warnings
 
+import numpy as np
 import torch
 
 import bluefog_lite as bf
@@ -76,6 +77,18 @@ raises(ValueError, "does not match window 'e'", bf.win_accumulate, torch.zeros(3
 raises(TypeError, "must be a torch.Tensor", bf.win_put, [0.0] * 6, "e")
 for fn in (bf.win_put, bf.win_accumulate):
     raises(TypeError, "tensor is sparse; pass a dense tensor", fn, torch.zeros(2, 3).to_sparse(), "e")
+    # scaled in place by self_weight: refused before anything is sent
+    raises(ValueError, "with self_weight: the tensor's elements share memory", fn,
+           torch.ones(1, 1).expand(3, 2), "e", self_weight=0.5)
+    raises(TypeError, "require_mutex must be True or False, got None", fn, x, "e", require_mutex=None)
+
+# -- flags are True or False, not anything with a truth value ---------------------------------------
+raises(TypeError, "win_get: require_mutex must be True or False, got 'yes'", bf.win_get, "e", require_mutex="yes")
+raises(TypeError, "win_update: reset must be True or False, got 1", bf.win_update, "e", reset=1)
+raises(TypeError, "win_update: clone must be True or False, got None", bf.win_update, "e", clone=None)
+raises(TypeError, "win_mutex: for_self must be True or False, got 0", bf.win_mutex("e", for_self=0).__enter__)
+raises(TypeError, "zero_init must be True or False, got 'no'", bf.win_create, torch.zeros(2), "z", zero_init="no")
+assert bf.win_update("e", reset=np.bool_(False)).shape == (3, 2)     # numpy bools are bools
 
 # -- ranks out of range / not neighbors / self -----------------------------------------------------
 raises(ValueError, "out of range", bf.win_put, x, "e", dst_weights={size: 1.0})
