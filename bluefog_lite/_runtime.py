@@ -170,7 +170,7 @@ def _initial_topology(topology_fn, is_weighted, comm):
         raise TypeError(f"topology_fn must be a callable size -> networkx.DiGraph, got {topology_fn!r}")
     G = _validate_graph(topology_fn(comm.size), comm.size, "init: the graph returned by topology_fn",
                         is_weighted)
-    views = comm.allgather((bool(is_weighted), _fingerprint(G)))
+    views = comm.allgather((bool(is_weighted), _fingerprint(G, is_weighted)))
     if len({w for w, _ in views}) != 1:
         raise ValueError(f"init: agents passed different is_weighted ({_listing(w for w, _ in views)}); every "
                          "agent must pass the same")
@@ -248,7 +248,7 @@ def _check_is_weighted(is_weighted):
 
 
 def _validate_graph(G, n, what, is_weighted=False, unit="agent"):
-    if not isinstance(G, nx.Graph):
+    if not isinstance(G, nx.Graph) or G.is_multigraph():
         raise TypeError(f"{what} must be a networkx.DiGraph, got {type(G).__name__}")
     if G.number_of_nodes() != n or set(G.nodes) != set(range(n)):
         raise ValueError(f"{what} must have nodes 0..{n - 1} (one per {unit}), "
@@ -300,8 +300,11 @@ def _listing(values):
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
-def _fingerprint(G):
-    return np.round(_topo.mixing_matrix(G), 12).tobytes()
+def _fingerprint(G, is_weighted):
+    """What agents must agree on: the weights of a weighted graph, else its edges."""
+    if is_weighted:
+        return np.round(_topo.mixing_matrix(G), 12).tobytes()
+    return repr(sorted(G.edges())).encode()
 
 
 def set_topology(topology=None, is_weighted=False, *, G=None):
@@ -319,7 +322,7 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         given = topology if G is None else G
         graph = (_topo.ExponentialGraph(st.size) if given is None
                  else _validate_graph(given, st.size, "topology", is_weighted))
-        return graph, (busy, bool(is_weighted), _fingerprint(graph))
+        return graph, (busy, bool(is_weighted), _fingerprint(graph, is_weighted))
     from .ops import _negotiate
     graph, views = _negotiate("set_topology", validated)
     if any(b for b, _, _ in views):
@@ -358,7 +361,7 @@ def set_machine_topology(topology, is_weighted=False):
     def validated():
         _check_is_weighted(is_weighted)
         G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted, unit="machine")
-        return G, (bool(is_weighted), _fingerprint(G))
+        return G, (bool(is_weighted), _fingerprint(G, is_weighted))
     from .ops import _negotiate
     G, views = _negotiate("set_machine_topology", validated)
     if len({w for w, _ in views}) != 1:

@@ -303,6 +303,8 @@ def test_dst_weights_key_out_of_range(cases):
 def test_set_topology_with_a_graph_of_the_wrong_size_or_not_a_graph(cases):
     raised(cases, "topology.wrong_size", "ValueError", "nodes 0..3", "got 5 nodes")
     raised(cases, "topology.not_a_graph", "TypeError", "networkx.DiGraph", "got list")
+    raised(cases, "topology.multigraph", "TypeError", "networkx.DiGraph", "got MultiDiGraph")
+    assert cases.of("topology.weights_ignored_unweighted") == {r: "OK" for r in range(N)}
     raised(cases, "topology.is_weighted_not_bool", "TypeError", "is_weighted must be True or False, got 'no'")
     raised(cases, "topology.is_weighted_differs", "ValueError", "agents passed different is_weighted",
            "rank 0: True, rank 1: False")

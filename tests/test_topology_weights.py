@@ -98,6 +98,20 @@ def test_mixing_matrix_missing_weight_counts_as_one():
 # ---- GetRecvWeights / GetSendWeights -------------------------------------------
 
 
+@pytest.mark.parametrize("bad", [None, "heavy", True])
+def test_a_weight_that_is_not_a_number_is_named(bad):
+    G = nx.DiGraph([(0, 1, {"weight": 0.5}), (1, 0, {"weight": bad})])
+    for read in (topology.mixing_matrix, lambda g: topology.GetRecvWeights(g, 0),
+                 lambda g: topology.GetSendWeights(g, 1)):
+        with pytest.raises(ValueError, match=r"edge 1 -> 0 has weight .*must be a real number"):
+            read(G)
+
+
+def test_multigraphs_are_refused():
+    with pytest.raises(ValueError, match="not a multigraph"):
+        topology.mixing_matrix(nx.MultiDiGraph([(0, 1), (0, 1), (1, 0)]))
+
+
 def test_recv_and_send_weights_exponential():
     G = topology.ExponentialTwoGraph(4)
     self_w, recv = topology.GetRecvWeights(G, 0)

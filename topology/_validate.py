@@ -33,8 +33,8 @@ def check_topology(topo, name="topo"):
     An undirected ``nx.Graph`` is accepted and read as having both directions
     of every edge.
     """
-    if not isinstance(topo, nx.Graph):
-        raise ValueError(f"{name} must be a networkx graph, got {type(topo).__name__}")
+    if not isinstance(topo, nx.Graph) or topo.is_multigraph():
+        raise ValueError(f"{name} must be a networkx graph (not a multigraph), got {type(topo).__name__}")
     n = topo.number_of_nodes()
     if set(topo.nodes) != set(range(n)):
         raise ValueError(f"{name} must have nodes 0..{n - 1} (one per rank)")

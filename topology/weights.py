@@ -6,6 +6,7 @@ receives from ``i``.  An edge without a ``'weight'`` attribute counts as
 weight 1.0 (the networkx convention, as in ``nx.to_numpy_array``).
 """
 
+import numbers
 from typing import Dict, Tuple
 
 import networkx as nx
@@ -25,7 +26,14 @@ _EQUIVALENCE_TOLERANCE = 1e-12
 
 
 def _weight(topo: nx.DiGraph, src: int, dst: int) -> float:
-    return float(topo.edges[src, dst].get("weight", 1.0))
+    return _as_weight(topo.edges[src, dst].get("weight", 1.0), src, dst)
+
+
+def _as_weight(weight, src, dst) -> float:
+    """An edge's weight as a float; ValueError naming the edge if it is not a real number."""
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise ValueError(f"edge {src} -> {dst} has weight {weight!r}; an edge weight must be a real number")
+    return float(weight)
 
 
 def mixing_matrix(topo: nx.DiGraph) -> np.ndarray:
@@ -40,7 +48,7 @@ def mixing_matrix(topo: nx.DiGraph) -> np.ndarray:
     n = topo.number_of_nodes()
     matrix = np.zeros((n, n))
     for src, dst, weight in topo.edges(data="weight", default=1.0):
-        matrix[src, dst] = weight
+        matrix[src, dst] = _as_weight(weight, src, dst)
     return matrix
 
 

@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 
+import networkx as nx
 import numpy as np
 import torch
 
@@ -324,6 +325,14 @@ attempt("range.machine_weights_half", bf.hierarchical_neighbor_allreduce, X, sel
 
 attempt("topology.wrong_size", bf.set_topology, topo.RingGraph(SIZE + 1))
 attempt("topology.not_a_graph", bf.set_topology, [[0, 1], [1, 0]])
+attempt("topology.multigraph", bf.set_topology, nx.MultiDiGraph(topo.RingGraph(SIZE)))
+STRING_WEIGHTS = topo.RingGraph(SIZE)
+for _, _, attrs in STRING_WEIGHTS.edges(data=True):
+    attrs["weight"] = "heavy"                    # unused without is_weighted
+check("topology.weights_ignored_unweighted", lambda: None if bf.set_topology(STRING_WEIGHTS)
+      and bf.in_neighbor_ranks() == sorted(set(STRING_WEIGHTS.predecessors(RANK)) - {RANK})
+      and bf.set_topology(topo.ExponentialGraph(SIZE))
+      else "refused")
 attempt("one_agent.set_topology", bf.set_topology, topo.RingGraph(SIZE + (RANK == 2)))
 attempt("one_agent.infer_sources", bf.InferSourceFromDestinationRanks, [SIZE] if RANK == 3 else [(RANK + 1) % SIZE])
 check("one_agent.after_topology", lambda: None if bf.InferSourceFromDestinationRanks([(RANK + 1) % SIZE])
