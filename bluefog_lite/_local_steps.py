@@ -5,6 +5,7 @@ so it needs the optimizer's rule for one parameter at a time. These follow
 torch.optim's defaults-compatible math and keep state under torch's own keys, so
 that state_dict()/load_state_dict() of the wrapped optimizer keep working.
 """
+import inspect
 import math
 
 import torch
@@ -122,6 +123,12 @@ def register_step_function(optimizer_class, fn):
         raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass")
     if not callable(fn):
         raise TypeError("fn must be callable as fn(param, grad, group, state)")
+    try:
+        inspect.signature(fn).bind(None, None, None, None)
+    except TypeError as exc:
+        raise TypeError(f"fn must take four arguments, fn(param, grad, group, state): {exc}") from None
+    except ValueError:
+        pass     # (a builtin without a signature: trusted)
     _STEPS[optimizer_class] = fn
 
 

@@ -13,6 +13,7 @@ the wrapped optimizer, so schedulers, checkpoints and loops keep working.
 """
 import contextlib
 import enum
+import numbers
 import warnings
 
 import torch
@@ -39,6 +40,9 @@ def _named_params(model, optimizer):
     missing = [n for n, p in named if id(p) not in in_opt]
     if missing:
         raise ValueError(f"parameters {missing[:5]} of the model are not in the optimizer")
+    if not named:
+        raise ValueError(f"the model ({type(model).__name__}) has no parameters that require gradients: "
+                         "the wrapper would have nothing to communicate")
     return named
 
 
@@ -85,8 +89,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, model, num_steps_per_communication=1):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(num_steps_per_communication, bool) or not isinstance(num_steps_per_communication, int) \
-                or num_steps_per_communication < 1:
+        if isinstance(num_steps_per_communication, bool) \
+                or not isinstance(num_steps_per_communication, numbers.Integral) or num_steps_per_communication < 1:
             raise ValueError(f"num_steps_per_communication must be a positive integer, "
                              f"got {num_steps_per_communication!r}")
         state()   # before init() this raises the usual clear error
@@ -95,7 +99,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.model = model
-        self.num_steps_per_communication = num_steps_per_communication
+        self.num_steps_per_communication = int(num_steps_per_communication)
         self._named = _named_params(model, optimizer)
         self._name_of = {id(p): n for n, p in self._named}
         self._param_of = dict(self._named)
@@ -163,9 +167,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start what the pass did not (its unused parameters), wait for all
         communication of this step and install the results."""
         self._rest_once()
+        self._all_handles(lambda p, handle: self._apply(p, ops.synchronize(handle)))
+
+    def _all_handles(self, finish):
+        """finish(p, handle) for every handle of this step, even after one raised (so
+        that no operation is left in flight, its name in use); then the first error.
+        After an error the next step starts afresh."""
+        error = None
         for name, (p, handle) in list(self._handles.items()):
-            self._apply(p, ops.synchronize(handle))
+            try:
+                finish(p, handle)
+            except Exception as exc:
+                error = error or exc
         self._handles.clear()
+        if error is not None:
+            self._rest_started = False
+            if self._in_order is not None:
+                self._in_order.new_round()
+            raise error
 
     def _step_synchronize(self):
         """step()'s synchronize; inside skip_synchronize() the caller has synchronized
@@ -355,8 +374,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             for p, group in self._extra:
                 if p.grad is not None:
                     self._local_step(p, p.grad, group, self.optimizer.state[p])
-        self._step_synchronize()
-        self._updated.clear()
+        try:
+            self._step_synchronize()
+        finally:
+            self._updated.clear()
         self._finish_step()
         return loss
 
@@ -419,8 +440,10 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        self._step_synchronize()
-        self._passes.clear()
+        try:
+            self._step_synchronize()
+        finally:
+            self._passes.clear()
         self.optimizer.step()
         self._finish_step()
         return loss
@@ -437,6 +460,8 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         if window_prefix is not None and not isinstance(window_prefix, str):
             raise TypeError(f"window_prefix must be a string, got {window_prefix!r}")
+        if window_prefix == "":
+            raise ValueError("window_prefix must be a non-empty string, or None for none")
         self._prefix = "" if window_prefix is None else window_prefix + "."
         super().__init__(optimizer, model, num_steps_per_communication)
         for name, p in self._named:
@@ -452,10 +477,8 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         for name, p in self._named:
             if name not in self._handles and name not in self._launched:
                 self._put(name, p)
-        for name, (p, h) in list(self._handles.items()):
-            windows.win_wait(h)
-        self._handles.clear()
         self._launched = set()
+        self._all_handles(lambda p, h: windows.win_wait(h))
         for name, _ in self._named:
             if self.self_weight is None:
                 windows.win_update(self._prefix + name)

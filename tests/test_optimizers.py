@@ -82,6 +82,23 @@ def test_unsupported_optimizer_names_the_fix():
         _local_steps.step_function_for(opt)
 
 
+def test_wrapper_arguments_are_checked():
+    run_agents(2, "opt_arguments.py", timeout=90)
+
+
+def test_a_step_function_must_take_four_arguments():
+    with pytest.raises(TypeError, match=r"fn must take four arguments, fn\(param, grad, group, state\)"):
+        _local_steps.register_step_function(torch.optim.RMSprop, lambda x: x)
+    assert _local_steps.step_function_for(torch.optim.RMSprop([torch.zeros(1, requires_grad=True)])) \
+        is _local_steps.rmsprop_step      # the refused one was not registered
+
+
+@pytest.mark.parametrize("wrapper", ["awc", "atc"])
+def test_a_wrapper_whose_step_failed_works_again_from_the_next_step(wrapper):
+    """Bad weights for one step (the error caught): the next steps equal a fresh wrapper's."""
+    run_agents(4, "opt_recover.py", wrapper, timeout=120)
+
+
 def test_two_backward_passes_before_step():
     """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
     Also: an optimizer parameter outside the model is stepped like torch.optim does."""

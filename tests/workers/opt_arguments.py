@@ -1,0 +1,43 @@
+"""The optimizer wrappers' arguments: each bad one raises a clear error naming it."""
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+
+bf.init()
+rank = bf.rank()
+
+
+def raises(exc, text, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        assert text in str(e), f"{exc.__name__} without {text!r}: {e}"
+        return
+    raise AssertionError(f"{fn.__name__} did not raise {exc.__name__} ({text!r})")
+
+
+net = torch.nn.Linear(3, 2)
+sgd = lambda params: torch.optim.SGD(params, lr=0.1)     # noqa: E731
+AWC, ATC = bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer
+GAR, WINPUT = bf.DistributedGradientAllreduceOptimizer, bf.DistributedWinPutOptimizer
+for wrapper in (AWC, ATC, GAR, WINPUT):
+    raises(TypeError, "optimizer must be a torch.optim.Optimizer, got Linear", wrapper, net, net)
+    raises(TypeError, "model must be a torch.nn.Module, got list", wrapper, sgd(net.parameters()), [net])
+    raises(ValueError, "num_steps_per_communication must be a positive integer, got 0", wrapper,
+           sgd(net.parameters()), net, num_steps_per_communication=0)
+    raises(ValueError, "num_steps_per_communication must be a positive integer, got 1.5", wrapper,
+           sgd(net.parameters()), net, num_steps_per_communication=1.5)
+    raises(ValueError, "of the model are not in the optimizer", wrapper, sgd([net.weight]), net)
+    raises(ValueError, "the model (ReLU) has no parameters that require gradients", wrapper,
+           sgd([torch.zeros(1, requires_grad=True)]), torch.nn.ReLU())
+raises(TypeError, "communication_type must be a bf.CommunicationType, got 'allreduce'", AWC,
+       sgd(net.parameters()), net, "allreduce")
+raises(TypeError, "window_prefix must be a string, got 3", WINPUT, sgd(net.parameters()), net, window_prefix=3)
+raises(ValueError, "window_prefix must be a non-empty string", WINPUT, sgd(net.parameters()), net, window_prefix="")
+assert bf.get_current_created_window_names() == []       # the refused ones created none
+ok = AWC(sgd(net.parameters()), net, num_steps_per_communication=np.int64(2))   # numpy ints are ints
+assert ok.num_steps_per_communication == 2 and type(ok.num_steps_per_communication) is int
+ok.remove_hooks()
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)

@@ -1,0 +1,56 @@
+"""An optimizer wrapper whose step failed (bad weights set for one step, the error
+caught) works again from the next step: it behaves exactly as a fresh wrapper on the
+same parameters (nothing left in flight, no name in use, no half-finished round)."""
+import copy
+import sys
+
+import torch
+
+import bluefog_lite as bf
+
+bf.init()
+rank = bf.rank()
+kind = sys.argv[1]
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)).double()
+data = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+
+
+def wrap(net):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
+    if kind == "awc":
+        return bf.DistributedAdaptWithCombineOptimizer(opt, net)
+    return bf.DistributedAdaptThenCombineOptimizer(opt, net)
+
+
+def step(net, dopt):
+    dopt.zero_grad()
+    torch.nn.functional.mse_loss(net(data[0]), data[1]).backward()
+    dopt.step()
+
+
+twin = copy.deepcopy(model)
+dopt = wrap(model)
+before = copy.deepcopy(model.state_dict())
+dopt.self_weight, dopt.src_weights = "a", {}      # bad for one step
+failed = None
+try:
+    step(model, dopt)
+except (TypeError, ValueError) as exc:
+    failed = exc
+dopt.self_weight = dopt.src_weights = None
+assert failed is not None, "the bad step did not fail"
+if kind == "awc":     # (ATC takes its local steps before it communicates)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"rank {rank}: {k} changed by the failed step"
+model.load_state_dict(before)
+dopt.optimizer.state.clear()          # (ATC: its local steps' momentum)
+for _ in range(3):
+    step(model, dopt)
+fresh = wrap(twin)
+for _ in range(3):
+    step(twin, fresh)
+for (k, v), (_, w) in zip(model.state_dict().items(), twin.state_dict().items()):
+    assert torch.allclose(v, w, rtol=1e-12, atol=1e-14), f"rank {rank}: {k} differs from a fresh wrapper's"
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
