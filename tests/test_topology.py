@@ -299,7 +299,7 @@ def test_bad_connect_style_raises(style):
         topology.RingGraph(4, connect_style=style)
 
 
-@pytest.mark.parametrize("shape", [(3, 3), (2,), (2, 2, 2), 8, (0, 8), (2.0, 4)])
+@pytest.mark.parametrize("shape", [(3, 3), (2,), (2, 2, 2), 8, (0, 8), (2.0, 4), {2, 4}])
 def test_bad_mesh_shape_raises(shape):
     with pytest.raises(ValueError, match="shape"):
         topology.MeshGrid2DGraph(8, shape=shape)

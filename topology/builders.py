@@ -16,6 +16,7 @@ stochastic), so repeated neighbor averaging converges to the exact average.
 weight 1.
 """
 
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -121,10 +122,9 @@ def _mesh_shape(size: int, shape: Optional[Tuple[int, int]]) -> Tuple[int, int]:
     if shape is None:
         rows = max(r for r in range(1, size + 1) if r * r <= size and size % r == 0)
         return rows, size // rows
-    try:
-        rows, cols = shape
-    except (TypeError, ValueError):
-        raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}") from None
+    if not isinstance(shape, Sequence) or len(shape) != 2:     # (a set has no order)
+        raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}")
+    rows, cols = shape
     rows = check_int(rows, "shape[0]", minimum=1)
     cols = check_int(cols, "shape[1]", minimum=1)
     if rows * cols != size:
