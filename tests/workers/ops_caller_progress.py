@@ -14,13 +14,13 @@ argv[1] == "on": BLUEFOG_CALLER_PROGRESS on (the default); "off": switched off.
    says they should.
 """
 import sys
-import time
 
 import numpy as np
 import torch
 
 import bluefog_lite as bf
 import topology
+from _engine_state import thread_asleep
 from _reference import uniform_mixing
 from bluefog_lite._runtime import state
 
@@ -77,18 +77,9 @@ bf.barrier()          # every agent has collected before the puts overwrite the 
 puts = rng.standard_normal((10, n, 64))
 
 
-def thread_asleep(limit_s=2.0):
-    """Wait (bounded) until the communication thread sleeps: the condition under which a
-    blocking call is run by its caller. On a loaded host the thread, woken by a peer, may
-    still be on its way back to sleep when the next call comes; then it runs that call."""
-    end = time.monotonic() + limit_s
-    while not eng._sleeping and time.monotonic() < end:
-        time.sleep(0.001)
-
-
 before = eng.driven_by_callers
 for k in range(10):
-    thread_asleep()
+    thread_asleep(eng)
     bf.win_put(torch.from_numpy(puts[k, r].copy()), "cp")
 win_driven = eng.driven_by_callers - before
 bf.barrier()

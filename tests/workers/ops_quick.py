@@ -34,6 +34,7 @@ import torch
 
 import bluefog_lite as bf
 import topology
+from _engine_state import thread_asleep
 from _reference import uniform_mixing
 from bluefog_lite._runtime import state
 
@@ -147,8 +148,9 @@ got = bf.synchronize(bf.neighbor_allreduce_nonblocking(z.conj().imag, name="neg"
 assert np.allclose(got.numpy(), [want], rtol=1e-5, atol=1e-6), f"rank {r}: negated view, nonblocking"
 
 # 7. a neighbor's next round received before the call. Rank 0 takes it on the quick
-# path only if its communication thread sleeps at that moment (with 8 agents on 2
-# cores a poke may have it awake): three rounds, at least one of them quick.
+# path if its communication thread sleeps at that moment: after a "b" that went on in
+# the loop the thread is handed the loop back and may still be awake, so rank 0 waits
+# for it to sleep (bounded); three rounds, at least one of them quick.
 ahead0 = stats["quick_ahead"]
 for rnd in range(3):
     ahead = rng.standard_normal((2, n, 64 * m)).astype(np.float32)
@@ -157,6 +159,7 @@ for rnd in range(3):
     before_b = torch.full((3,), float(r + rnd), dtype=torch.float64)    # another dtype: not fused with "ahead"
     if r == 0:      # its call "b" receives the neighbors' second round of "ahead" (sent before their "b")
         b = bf.neighbor_allreduce(before_b, name="b")
+        thread_asleep(state().engine)
         second = bf.neighbor_allreduce(torch.from_numpy(ahead[1, r].copy()), name="ahead")
     else:
         h = bf.neighbor_allreduce_nonblocking(torch.from_numpy(ahead[1, r].copy()), name="ahead")
