@@ -14,6 +14,7 @@ the wrapped optimizer, so schedulers, checkpoints and loops keep working.
 import contextlib
 import enum
 import numbers
+import weakref
 import warnings
 
 import torch
@@ -82,6 +83,20 @@ class _InOrder:
         self.waiting.clear()
 
 
+_wrapper_of = weakref.WeakKeyDictionary()     # model -> weakref to the wrapper whose hooks are on it
+
+
+def _check_not_wrapped(model):
+    """Two wrappers on one model would both communicate its parameters under the same
+    names (the second's calls fail as 'already in flight'): refuse the second while
+    the first's hooks are in place."""
+    ref = _wrapper_of.get(model)
+    other = ref() if ref is not None else None
+    if other is not None and other._hooks:
+        raise ValueError(f"the model already has a {type(other).__name__} communicating its parameters; "
+                         "call its remove_hooks() before wrapping the model again")
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
@@ -101,6 +116,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._named = _named_params(model, optimizer)
+        _check_not_wrapped(model)
+        _wrapper_of[model] = weakref.ref(self)
         self._name_of = {id(p): n for n, p in self._named}
         self._param_of = dict(self._named)
         self._handles = {}          # param name -> (param, handle)

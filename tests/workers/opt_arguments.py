@@ -39,5 +39,12 @@ assert bf.get_current_created_window_names() == []       # the refused ones crea
 ok = AWC(sgd(net.parameters()), net, num_steps_per_communication=np.int64(2))   # numpy ints are ints
 assert ok.num_steps_per_communication == 2 and type(ok.num_steps_per_communication) is int
 ok.remove_hooks()
+# one wrapper per model at a time: a second would communicate the parameters again
+first = AWC(sgd(net.parameters()), net)
+raises(ValueError, "the model already has a DistributedAdaptWithCombineOptimizer communicating its parameters; "
+       "call its remove_hooks()", ATC, sgd(net.parameters()), net)
+first.remove_hooks()
+second = ATC(sgd(net.parameters()), net)      # after remove_hooks, a new one may take its place
+second.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
