@@ -170,13 +170,9 @@ def _initial_topology(topology_fn, is_weighted, comm):
         raise TypeError(f"topology_fn must be a callable size -> networkx.DiGraph, got {topology_fn!r}")
     G = _validate_graph(topology_fn(comm.size), comm.size, "init: the graph returned by topology_fn",
                         is_weighted)
-    views = comm.allgather((bool(is_weighted), _fingerprint(G, is_weighted)))
-    if len({w for w, _ in views}) != 1:
-        raise ValueError(f"init: agents passed different is_weighted ({_listing(w for w, _ in views)}); every "
-                         "agent must pass the same")
-    if len({fp for _, fp in views}) != 1:
-        raise ValueError("init: topology_fn returned different graphs on different agents; it must "
-                         "give every agent the same graph")
+    _same_everywhere("init", comm.allgather(_fingerprint(G, is_weighted)),
+                     "topology_fn returned different graphs on different agents; it must give every agent "
+                     "the same graph")
     return G
 
 
@@ -295,16 +291,22 @@ def _install_machine_topology(G, is_weighted):
     _state.machine_topology = _Topology(G, _state.machine_rank, is_weighted)
 
 
-def _listing(values):
-    """'rank 0: True, rank 1: False, ...' for one value per rank."""
-    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-
-
 def _fingerprint(G, is_weighted):
-    """What agents must agree on: the weights of a weighted graph, else its edges."""
+    """What agents must agree on: is_weighted, and the weights of a weighted graph,
+    else its edges."""
     if is_weighted:
-        return np.round(_topo.mixing_matrix(G), 12).tobytes()
-    return repr(sorted(G.edges())).encode()
+        return True, np.round(_topo.mixing_matrix(G), 12).tobytes()
+    return False, repr(sorted(G.edges())).encode()
+
+
+def _same_everywhere(call, fingerprints, graphs_differ):
+    """Raise unless every agent's _fingerprint (in rank order) is the same."""
+    flags = [w for w, _ in fingerprints]
+    if len(set(flags)) != 1:
+        listing = ", ".join(f"rank {r}: {w}" for r, w in enumerate(flags))
+        raise ValueError(f"{call}: agents passed different is_weighted ({listing}); every agent must pass the same")
+    if len({graph for _, graph in fingerprints}) != 1:
+        raise ValueError(f"{call}: {graphs_differ}")
 
 
 def set_topology(topology=None, is_weighted=False, *, G=None):
@@ -322,18 +324,15 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         given = topology if G is None else G
         graph = (_topo.ExponentialGraph(st.size) if given is None
                  else _validate_graph(given, st.size, "topology", is_weighted))
-        return graph, (busy, bool(is_weighted), _fingerprint(graph, is_weighted))
+        return graph, (busy, _fingerprint(graph, is_weighted))
     from .ops import _negotiate
     graph, views = _negotiate("set_topology", validated)
-    if any(b for b, _, _ in views):
+    if any(b for b, _ in views):
         warnings.warn("set_topology refused: windows exist or operations are in flight "
                       "(free windows with win_free() and synchronize handles first)")
         return False
-    if len({w for _, w, _ in views}) != 1:
-        raise ValueError(f"set_topology: agents passed different is_weighted ({_listing(w for _, w, _ in views)}); "
-                         "every agent must pass the same")
-    if any(fp != views[0][2] for _, _, fp in views):
-        raise ValueError("set_topology: agents passed different graphs; every agent must set the same topology")
+    _same_everywhere("set_topology", [fp for _, fp in views],
+                     "agents passed different graphs; every agent must set the same topology")
     _install_topology(graph, is_weighted)
     return True
 
@@ -361,14 +360,10 @@ def set_machine_topology(topology, is_weighted=False):
     def validated():
         _check_is_weighted(is_weighted)
         G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted, unit="machine")
-        return G, (bool(is_weighted), _fingerprint(G, is_weighted))
+        return G, _fingerprint(G, is_weighted)
     from .ops import _negotiate
     G, views = _negotiate("set_machine_topology", validated)
-    if len({w for w, _ in views}) != 1:
-        raise ValueError(f"set_machine_topology: agents passed different is_weighted "
-                         f"({_listing(w for w, _ in views)}); every agent must pass the same")
-    if any(fp != views[0][1] for _, fp in views):
-        raise ValueError("set_machine_topology: agents passed different graphs")
+    _same_everywhere("set_machine_topology", views, "agents passed different graphs")
     _install_machine_topology(G, is_weighted)
     return True
 

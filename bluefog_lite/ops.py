@@ -64,6 +64,19 @@ def synchronize(handle):
 wait = synchronize
 
 
+def _finish_all(items, finish):
+    """finish(item) for every item (synchronizing its handle), even after one raised, so
+    that no operation is left in flight with its name in use; then the first error."""
+    error = None
+    for item in items:
+        try:
+            finish(item)
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 # ---- collectives -------------------------------------------------------------------
 
 def _collective(kind, name, prepare):

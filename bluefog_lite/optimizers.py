@@ -187,21 +187,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._all_handles(lambda p, handle: self._apply(p, ops.synchronize(handle)))
 
     def _all_handles(self, finish):
-        """finish(p, handle) for every handle of this step, even after one raised (so
-        that no operation is left in flight, its name in use); then the first error.
-        After an error the next step starts afresh."""
-        error = None
-        for name, (p, handle) in list(self._handles.items()):
-            try:
-                finish(p, handle)
-            except Exception as exc:
-                error = error or exc
+        """finish(p, handle) for every handle of this step (ops._finish_all); after an
+        error the next step starts afresh."""
+        pairs = list(self._handles.values())
         self._handles.clear()
-        if error is not None:
+        try:
+            ops._finish_all(pairs, lambda pair: finish(*pair))
+        except Exception:
             self._rest_started = False
             if self._in_order is not None:
                 self._in_order.new_round()
-            raise error
+            raise
 
     def _step_synchronize(self):
         """step()'s synchronize; inside skip_synchronize() the caller has synchronized

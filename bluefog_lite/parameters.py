@@ -85,7 +85,8 @@ def broadcast_parameters(params, root_rank):
     Every agent must pass the same names, shapes and dtypes (checked first: a difference
     raises on every agent and changes nothing)."""
     items = _agreed("broadcast_parameters", params, root_rank)
-    _all_of([ops.broadcast_nonblocking_(p, root_rank, name=f"broadcast.param.{name}") for name, p in items])
+    ops._finish_all([ops.broadcast_nonblocking_(p, root_rank, name=f"broadcast.param.{name}")
+                     for name, p in items], ops.synchronize)
 
 
 def allreduce_parameters(params):
@@ -93,19 +94,8 @@ def allreduce_parameters(params):
     averaged, e.g. bool buffers, are left as they are). Checked like broadcast_parameters."""
     items = _agreed("allreduce_parameters", params,
                     keep=lambda p: p.is_floating_point() or p.dtype in _arguments.REDUCIBLE)
-    _all_of([ops.allreduce_nonblocking_(p, average=True, name=f"allreduce.param.{name}") for name, p in items])
-
-
-def _all_of(handles):
-    """Synchronize every handle (so that no name stays in use), then raise the first error."""
-    error = None
-    for h in handles:
-        try:
-            ops.synchronize(h)
-        except Exception as exc:
-            error = error or exc
-    if error is not None:
-        raise error
+    ops._finish_all([ops.allreduce_nonblocking_(p, average=True, name=f"allreduce.param.{name}")
+                     for name, p in items], ops.synchronize)
 
 
 def broadcast_optimizer_state(optimizer, root_rank):
