@@ -6,6 +6,7 @@ communication thread (_engine.py; the tasks of _collective_tasks.py and
 _neighbor_tasks.py), or, for a blocking call while the thread sleeps and the
 timeline is off, on the caller (Engine._drive_until).
 """
+import re
 import threading
 
 import torch
@@ -20,13 +21,35 @@ _name_counters = {}
 _caller = threading.local()     # .blocking: the op being enqueued is synchronized at once
 
 
+# Names the library's own collectives run under (their messages are keyed by them,
+# like every named operation's): a user operation of the same name in flight would
+# make the call fail as "already in flight", or be matched with it.
+RESERVED_NAMES = {
+    "barrier": "barrier()", "set_topology": "set_topology()", "set_machine_topology": "set_machine_topology()",
+    "win_create": "win_create()", "win_free": "win_free()",
+    "broadcast_parameters.check": "broadcast_parameters()", "allreduce_parameters.check": "allreduce_parameters()",
+    "broadcast.optimizer_state": "broadcast_optimizer_state()",
+}
+_GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
+
+
 def _op_name(name, kind):
     if name is None:
         n = _name_counters.get(kind, 0)
         _name_counters[kind] = n + 1
         return f"{kind.lower()}.noname.{n}"
+    return check_name(name)
+
+
+def check_name(name, what="name", fix="choose another name"):
+    """name, if a user may give it to an operation (else TypeError/ValueError)."""
     if not isinstance(name, str) or not name:
-        raise TypeError(f"name must be a non-empty string, got {name!r}")
+        raise TypeError(f"{what} must be a non-empty string, got {name!r}")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"{what} {name!r} is reserved: bluefog_lite's {RESERVED_NAMES[name]} runs under it; {fix}")
+    if _GENERATED.fullmatch(name):
+        raise ValueError(f"{what} {name!r} has the form '<operation>.noname.<n>', reserved for the names "
+                         f"given to calls without one; {fix}")
     return name
 
 
@@ -221,8 +244,10 @@ def _negotiate(name, validated):
     """validated() -> (value, obj): this agent's value, and every agent's obj (in rank
     order) exchanged under name (collective). If validated() raises TypeError or
     ValueError, this agent still joins the exchange (see _collective), so that every
-    agent raises instead of the others waiting for it."""
-    name = _op_name(name, "ALLGATHER")
+    agent raises instead of the others waiting for it. name: one of RESERVED_NAMES,
+    or None for a generated one."""
+    if name is None:
+        name = _op_name(None, "ALLGATHER")
     found = []
 
     def prepare():

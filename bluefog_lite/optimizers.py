@@ -100,6 +100,7 @@ def _check_not_wrapped(model):
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
+    _named_ops = True   # a parameter's operations run under its name (not WinPut's windows)
 
     def __init__(self, optimizer, model, num_steps_per_communication=1):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -116,6 +117,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._named = _named_params(model, optimizer)
+        if self._named_ops:
+            for n, _ in self._named:
+                ops.check_name(n, "parameter name", "rename the parameter (the wrapper runs its communication "
+                               "under its name)")
         _check_not_wrapped(model)
         _wrapper_of[model] = weakref.ref(self)
         self._name_of = {id(p): n for n, p in self._named}
@@ -469,6 +474,7 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
     gradient step. Per step, ``dst_weights`` steers the puts and
     ``self_weight``/``src_weights`` the combination. Call free_windows() (or
     bf.win_free()) when done."""
+    _named_ops = False
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         if window_prefix is not None and not isinstance(window_prefix, str):

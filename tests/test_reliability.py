@@ -366,6 +366,23 @@ def test_the_same_name_twice_while_in_flight(cases):
     assert cases.of("name.reusable_after_synchronize") == {r: "OK" for r in range(N)}
 
 
+def test_names_the_library_runs_its_own_collectives_under_are_refused(cases):
+    """A user operation named like bf.barrier()'s or an unnamed call's would make that
+    call fail as "already in flight" (or be matched with it); such names are refused."""
+    for reserved, call in (("barrier", "barrier()"), ("set_topology", "set_topology()"),
+                           ("win_create", "win_create()")):
+        for op in ("allreduce", "neighbor_allreduce", "broadcast", "pair_gossip"):
+            raised(cases, f"reserved.{reserved}.{op}", "ValueError", f"name '{reserved}' is reserved",
+                   f"bluefog_lite's {call} runs under it")
+    for generated in ("allreduce.noname.0", "neighbor_allreduce.noname.7"):
+        for op in ("allreduce", "neighbor_allreduce", "broadcast", "pair_gossip"):
+            raised(cases, f"reserved.{generated}.{op}", "ValueError", f"'{generated}'",
+                   "reserved for the names given to calls without one")
+    raised(cases, "reserved.parameter_name.awc", "ValueError", "parameter name", "'barrier' is reserved")
+    assert cases.of("reserved.internal_names") == {r: "OK" for r in range(N)}, cases.of("reserved.internal_names")
+    assert cases.of("reserved.after") == {r: "NONE" for r in range(N)}
+
+
 def test_a_handle_synchronized_twice(cases):
     for case in ("handle.twice", "handle.poll_after_synchronize", "handle.win_wait_twice", "handle.unknown",
                  "handle.from_before_shutdown"):

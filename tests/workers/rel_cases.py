@@ -18,6 +18,8 @@ import torch
 
 import bluefog_lite as bf
 import topology as topo
+from bluefog_lite._runtime import state
+from bluefog_lite.ops import RESERVED_NAMES
 
 SIZE = int(os.environ["PMI_SIZE"])
 RANK = int(os.environ["PMI_RANK"])     # known before init (the launcher sets it)
@@ -483,6 +485,53 @@ for kind, shape, make in (("noncontiguous", (3, 4), transposed), ("empty", (0, 3
         return wrong or close(z, xs[1])
     check(f"works.{kind}.in_place", in_place)
     check(f"works.{kind}.input_untouched", lambda: close(x, xs[RANK], tol=0))
+
+
+# ---- names the library's own collectives run under ------------------------------------------------
+
+for reserved in ("barrier", "set_topology", "win_create", "allreduce.noname.0", "neighbor_allreduce.noname.7"):
+    for op_name, fn, args in (("allreduce", bf.allreduce_nonblocking, (X,)),
+                              ("neighbor_allreduce", bf.neighbor_allreduce, (X,)),
+                              ("broadcast", bf.broadcast, (X, 0)), ("pair_gossip", bf.pair_gossip, (X, RANK ^ 1))):
+        attempt(f"reserved.{reserved}.{op_name}", fn, *args, name=reserved)
+RESERVED_PARAM = torch.nn.Module()
+RESERVED_PARAM.barrier = torch.nn.Parameter(torch.ones(2))
+attempt("reserved.parameter_name.awc", bf.DistributedAdaptWithCombineOptimizer,
+        torch.optim.SGD(RESERVED_PARAM.parameters(), lr=0.1), RESERVED_PARAM)
+
+
+def internal_names():
+    """The names the library's own calls submit under: each must be reserved (or generated)."""
+    eng = state().engine
+    submitted = []
+    submit = eng.submit
+
+    def recording(name, kind, *args, **kwargs):
+        submitted.append(name)
+        return submit(name, kind, *args, **kwargs)
+    eng.submit = recording
+    try:
+        bf.barrier()
+        bf.set_topology(topo.ExponentialTwoGraph(SIZE))
+        bf.set_machine_topology(bf.load_machine_topology())
+        bf.win_create(torch.ones(2), "names")
+        bf.win_free("names")
+        net = torch.nn.Linear(2, 1)
+        bf.broadcast_parameters(net.state_dict(), 0)
+        bf.allreduce_parameters(net.state_dict())
+        bf.broadcast_optimizer_state(torch.optim.SGD(net.parameters(), lr=0.1), 0)
+        bf.InferSourceFromDestinationRanks([(RANK + 1) % SIZE])
+    finally:
+        del eng.submit
+    own = [n for n in submitted if not n.startswith(("broadcast.param.", "allreduce.param."))]
+    wrong = [n for n in own if n not in RESERVED_NAMES and ".noname." not in n]
+    if len(own) < 9:
+        return f"only {own} recorded"
+    return f"not reserved: {wrong}" if wrong else None
+
+
+check("reserved.internal_names", internal_names)
+attempt("reserved.after", bf.barrier)     # the refusals left nothing behind
 
 
 # ---- after shutdown ------------------------------------------------------------------------------
