@@ -10,6 +10,7 @@ in log2(n) steps when n is a power of two. Prints the distance to the true avera
 import argparse
 import os
 
+import numpy as np
 import torch
 
 import bluefog_lite as bf
@@ -21,6 +22,7 @@ def main():
     ap.add_argument("--dynamic", action="store_true", help="one-peer dynamic Exp-2 schedule")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dim", type=int, default=100000)
+    ap.add_argument("--save", default=None, help="write the agents' final vectors (one row each) to this .npy file")
     args = ap.parse_args()
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
@@ -39,7 +41,10 @@ def main():
         dist = bf.allreduce(torch.tensor([float((x - mean).norm())]), name="dist").item()
         if bf.rank() == 0 and (step < 5 or step % 5 == 4 or step == args.steps - 1):
             print(f"step {step + 1:3d}: mean distance to the average {dist:.3e}", flush=True)
+    rows = bf.allgather(x.reshape(1, -1), name="final_x") if args.save else None
     if bf.rank() == 0:
+        if args.save:
+            np.save(args.save, rows.numpy())
         print(f"final distance to the average: {dist:.3e}")
     bf.shutdown()
     prefix = os.environ.get("BLUEFOG_TIMELINE")

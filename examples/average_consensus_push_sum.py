@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--short", action="store_true", help="quick run for the tests")
     ap.add_argument("--dim", type=int, default=1000)
     ap.add_argument("--jitter-ms", type=float, default=1.0, help="scale of the random per-iteration sleeps")
+    ap.add_argument("--save", default=None, help="write the agents' final x and p (one row each: x, then p) "
+                    "to this .npy file")
     args = ap.parse_args()
     steps = args.steps if args.steps is not None else (120 if args.short else 200)
 
@@ -69,9 +71,14 @@ def main():
     estimate = x / bf.win_associated_p("x")
     dist = torch.tensor([float((estimate - average).norm() / average.norm())])
     dists = bf.allgather(dist, name="final_distance")
+    p = bf.win_associated_p("x")
+    rows = bf.allgather(torch.cat([x, torch.tensor([p], dtype=x.dtype)]).reshape(1, -1), name="final_x_p") \
+        if args.save else None
     bf.win_free()
     bf.turn_off_win_ops_with_associated_p()
     if rank == 0:
+        if args.save:
+            np.save(args.save, rows.numpy())
         print(f"final relative distance of x/p to the average (worst agent): {dists.max().item():.3e}",
               flush=True)
     bf.shutdown()
