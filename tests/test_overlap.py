@@ -18,8 +18,10 @@ The order constraints (nothing sent before its forward or gradient) hold in
 every step. Whether the communication thread gets a core before the backward
 pass ends is the scheduler's call: with both cores busy in back-propagation it
 usually runs within ~1 ms (margins of 5-10 ms), but once in a while it waits a
-whole time slice (~7 ms, seen once in a CI run). So each agent may have one
-step of the five in which overlap did not happen; two or more fail the test.
+whole time slice (~7 ms, seen once in a CI run). So each agent may have up to
+three steps of the ten in which overlap did not happen; four or more fail the
+test. (If 1 step in 20 has a hiccup, 4 of 10 happen in 1 run in 1000; 2 of
+5, the previous rule, in 1 in 44.)
 """
 import collections
 
@@ -28,7 +30,8 @@ import pytest
 from bluefog_lite.timeline._reader import read_events, read_spans
 from mpi_helpers import run_agents
 
-AGENTS, STEPS, LAYERS = 2, 6, 5
+AGENTS, STEPS, LAYERS = 2, 11, 5
+LATE_ALLOWED = 3
 WARMUP = 1   # the first step allocates buffers and the optimizer state: not representative
 
 
@@ -74,9 +77,9 @@ def _steps(rows, tag):
     return steps
 
 
-def _overlapped_in_all_but_one_step(late, rank):
-    """late: {step: [what started too late]}; one scheduler hiccup per agent is allowed."""
-    assert len(late) <= 1, (rank, f"no overlap in {len(late)} of {STEPS - WARMUP} steps", late)
+def _overlapped_in_most_steps(late, rank):
+    """late: {step: [what started too late]}; a few scheduler hiccups per agent are allowed."""
+    assert len(late) <= LATE_ALLOWED, (rank, f"no overlap in {len(late)} of {STEPS - WARMUP} steps", late)
 
 
 def test_awc_communication_starts_after_forward_and_before_backward_ends(traces):
@@ -89,7 +92,7 @@ def test_awc_communication_starts_after_forward_and_before_backward_ends(traces)
                 if s["MPI"] >= backward_end:
                     late.setdefault(n, []).append(
                         f"{p}: MPI_ began {(s['MPI'] - backward_end) / 1e3:.2f} ms after the backward pass")
-        _overlapped_in_all_but_one_step(late, rank)
+        _overlapped_in_most_steps(late, rank)
 
 
 def test_atc_sends_each_layer_while_earlier_layers_are_still_in_backward(traces):
@@ -105,4 +108,4 @@ def test_atc_sends_each_layer_while_earlier_layers_are_still_in_backward(traces)
                 if start >= still_running:
                     late.setdefault(n, []).append(f"{last}.{kind} sent {(start - still_running) / 1e3:.2f} ms "
                                                   "after the first layer's BACKWARD ended")
-        _overlapped_in_all_but_one_step(late, rank)
+        _overlapped_in_most_steps(late, rank)
