@@ -158,6 +158,10 @@ def _local_allreduce(name, tensor, average, target=None):
 
     def task(e, op):
         out = yield from _neighbor_tasks.local_allreduce(e, op, x, st.local_ranks, average)
+        # x may be target's memory, and the packets to the peers hold it by reference
+        # until they are sent: when the peers' inputs were in at once, that is later
+        # in this pass (Engine._flush). Send them now, before x changes.
+        e.stream.flush_all()
         return target.detach().copy_(out)
     return _submit("ALLREDUCE", name, task)
 

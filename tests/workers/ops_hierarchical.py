@@ -1,12 +1,14 @@
 """hierarchical_neighbor_allreduce and local allreduce with emulated machines
 (BLUEFOG_RANKS_PER_MACHINE), against a numpy reference over machine averages."""
 import os
+import time
 
 import numpy as np
 import torch
 
 import bluefog_lite as bf
 import topology as topo
+from bluefog_lite._runtime import state
 
 bf.init()
 rank, size = bf.rank(), bf.size()
@@ -26,6 +28,22 @@ machine_mean = [np.mean([data(mm * per + l) for l in range(per)], axis=0) for mm
 # local allreduce: the average over this machine
 y = bf.allreduce(torch.from_numpy(data(rank)), is_hierarchical_local=True, name="local")
 np.testing.assert_allclose(y.numpy(), machine_mean[m], rtol=1e-12)
+
+# in place, with the machine's first agent last: its peers' inputs are all in when its
+# call starts, so the call finishes in the pass that queues its own input for them,
+# which must still send the input, not the result written into the same tensor
+stream = state().engine.stream
+for i in range(3):
+    name = f"local.inplace.{i}"
+    if rank % per == 0:
+        peers = [(r, (name, "local")) for r in state().local_ranks if r != rank]
+        deadline = time.monotonic() + 30
+        while not all(stream.inbox.get(k) for k in peers):
+            assert time.monotonic() < deadline, f"rank {rank}: the machine's inputs for {name} never came"
+            time.sleep(0.005)
+    x = torch.from_numpy(data(rank).copy())
+    bf.allreduce_(x, is_hierarchical_local=True, name=name)
+    np.testing.assert_allclose(x.numpy(), machine_mean[m], rtol=1e-12, err_msg=f"rank {rank}, {name}")
 
 # 16-bit floats: the machine sum is added in float32 and rounded once (as allreduce
 # does). Each machine's first agent holds big, the others 1: each 1 alone is below
