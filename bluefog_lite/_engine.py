@@ -232,7 +232,8 @@ class Engine(CallerDrive, StallInspector):
             if not self._thread.is_alive():
                 raise RuntimeError("the bluefog_lite communication thread has died")
         with self._lock:
-            self._ops.pop(handle, None)
+            if self._ops.pop(handle, None) is None:      # another thread synchronized it meanwhile
+                raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
             if op.reserved:
                 self._names.discard(op.name)
         if op.error is not None:

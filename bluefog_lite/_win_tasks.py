@@ -19,6 +19,7 @@ another agent for long, except ``Win.Allocate``/``Win.Free`` which are collectiv
 and negotiated first.
 """
 import sys
+import threading
 import time
 import weakref
 
@@ -100,6 +101,7 @@ class Window:
         self.win = None
         self.held = {}          # rank -> hold count of its mutex (communication thread only)
         self.handles = []       # (handle, op name) of this window's ops (caller side)
+        self.submitting = threading.Lock()   # held while a caller names and enqueues an op
         self.mutex_blocks = 0   # win_mutex with-blocks of this agent now inside (caller side)
         self.tickets = 0        # next ticket (taken under the engine's queue lock): program order
         self.serving = 0        # lowest ticket not yet finished (communication thread)

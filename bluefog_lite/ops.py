@@ -6,6 +6,8 @@ communication thread (_engine.py; the tasks of _collective_tasks.py and
 _neighbor_tasks.py), or, for a blocking call while the thread sleeps and the
 timeline is off, on the caller (Engine._drive_until).
 """
+import collections
+import itertools
 import re
 import threading
 
@@ -17,7 +19,7 @@ from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, 
 from ._fusion import Fusable
 from ._runtime import plan_key, state
 
-_name_counters = {}
+_name_counters = collections.defaultdict(itertools.count)   # kind -> the numbers of its unnamed calls
 _caller = threading.local()     # .blocking: the op being enqueued is synchronized at once
 
 
@@ -34,10 +36,8 @@ _GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
 
 
 def _op_name(name, kind):
-    if name is None:
-        n = _name_counters.get(kind, 0)
-        _name_counters[kind] = n + 1
-        return f"{kind.lower()}.noname.{n}"
+    if name is None:     # (next() of a count is atomic: callers on several threads get distinct numbers)
+        return f"{kind.lower()}.noname.{next(_name_counters[kind])}"
     return check_name(name)
 
 

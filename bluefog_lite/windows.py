@@ -118,14 +118,15 @@ def _submit(win, kind, make_task, blocking=False):
     may run the loop itself (Engine.submit's ``inline``) instead of waking the
     communication thread."""
     eng = state().engine
-    win.handles = _unsynchronized(eng, win.handles)
-    used = {n for _, n in win.handles}
-    op_name = next(n for n in (f"{win.name}#{k}" if k else win.name for k in itertools.count())
-                   if n not in used)
-    # The engine builds the task under its queue lock: tickets follow queue order.
-    h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
-        win, win.take_ticket(), make_task(eng, op)), inline=blocking, reserve=False)
-    win.handles.append((h, op_name))
+    with win.submitting:     # (callers on several threads: one name each, no handle lost)
+        win.handles = _unsynchronized(eng, win.handles)
+        used = {n for _, n in win.handles}
+        op_name = next(n for n in (f"{win.name}#{k}" if k else win.name for k in itertools.count())
+                       if n not in used)
+        # The engine builds the task under its queue lock: tickets follow queue order.
+        h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
+            win, win.take_ticket(), make_task(eng, op)), inline=blocking, reserve=False)
+        win.handles.append((h, op_name))
     return h
 
 

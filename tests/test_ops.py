@@ -63,3 +63,29 @@ def test_quick_blocking_calls_match_numpy_late_neighbors_threads_and_errors(n):
 @pytest.mark.parametrize("n", [4, 8])
 def test_quick_blocking_calls_of_large_tensors_match_numpy_late_neighbors_threads_and_errors(n):
     run_agents(n, "ops_quick.py", "large", timeout=150, env={"BLUEFOG_INLINE_LIMIT": "256"})
+
+
+def test_unnamed_calls_on_several_threads_get_distinct_names():
+    """The generated names of unnamed calls come from one counter per kind: callers on
+    several threads must never get the same number (with a read-then-store counter and
+    thread switches every microsecond, ~7% of them did)."""
+    import sys
+    import threading
+    from bluefog_lite import ops
+    names, per_thread = [], 20000
+
+    def generate():
+        mine = [ops._op_name(None, "THREAD_TEST") for _ in range(per_thread)]
+        names.extend(mine)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=generate) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(names) == 4 * per_thread
+    assert len(set(names)) == len(names), f"{len(names) - len(set(names))} names given twice"

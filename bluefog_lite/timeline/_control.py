@@ -7,6 +7,7 @@ Environment (read by init()):
   BLUEFOG_TIMELINE_END_STEP=m        ... through step m, then finish the file
   BLUEFOG_TIMELINE_MARK_CYCLES=1     an instant event per communication-thread cycle
 """
+import functools
 import os
 import socket
 import threading
@@ -20,6 +21,15 @@ _session = None    # the open _Session, recording or waiting for its step window
 _steps = 0         # optimizer steps completed since the timeline was configured
 _clock_sync = None  # (offset_us, rtt_us) measured at init, or None
 _followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
+_lock = threading.RLock()        # opening and closing files: callers may be on several threads
+
+
+def _locked(fn):
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with _lock:
+            return fn(*args, **kwargs)
+    return locked
 
 
 def timeline_path(prefix, rank):
@@ -123,6 +133,7 @@ def measure_clock(st):
     st.clock_offset_us = _clock_sync[0]
 
 
+@_locked
 def start_from_environment():
     """Called at the end of init(), after measure_clock: opens PREFIX<rank>.json
     when BLUEFOG_TIMELINE is set."""
@@ -142,6 +153,7 @@ def start_from_environment():
     _tell_followers()
 
 
+@_locked
 def timeline_start(prefix, mark_cycles=False):
     """Start writing PREFIX<rank>.json now (this agent only; not collective).
 
@@ -158,6 +170,7 @@ def timeline_start(prefix, mark_cycles=False):
     _tell_followers()
 
 
+@_locked
 def timeline_stop():
     """Finish the open timeline file, if any (every open span is ended now)."""
     _close_session()
@@ -171,6 +184,7 @@ def _close_session():
         session.close()
 
 
+@_locked
 def stop_timeline():
     """Called by shutdown(), after the communication thread has stopped."""
     _close_session()
@@ -198,14 +212,17 @@ def step():
     steps s..e and is finished by the call that ends step e."""
     global _steps
     _steps += 1
-    session = _session
-    if session is None:
+    if _session is None:
         return
-    if not session.recording and _steps >= session.start_step:
-        session.record()
-    elif session.recording and session.end_step is not None and _steps > session.end_step:
-        _close_session()
-        _tell_followers()
+    with _lock:
+        session = _session
+        if session is None:
+            return
+        if not session.recording and _steps >= session.start_step:
+            session.record()
+        elif session.recording and session.end_step is not None and _steps > session.end_step:
+            _close_session()
+            _tell_followers()
 
 
 def configured():
