@@ -18,6 +18,7 @@ from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, 
                          _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
 from ._runtime import plan_key, state
+from ._waits import Requests
 
 _name_counters = collections.defaultdict(itertools.count)   # kind -> the numbers of its unnamed calls
 _caller = threading.local()     # .blocking: the op being enqueued is synchronized at once
@@ -158,10 +159,14 @@ def _local_allreduce(name, tensor, average, target=None):
 
     def task(e, op):
         out = yield from _neighbor_tasks.local_allreduce(e, op, x, st.local_ranks, average)
-        # x may be target's memory, and the packets to the peers hold it by reference
-        # until they are sent: when the peers' inputs were in at once, that is later
-        # in this pass (Engine._flush). Send them now, before x changes.
+        # x may be target's memory, which the sends to the peers still read: a small
+        # x sits in packets queued by reference until this pass ends (Engine._flush;
+        # the peers' inputs may have been in at once), a large one goes straight from
+        # its memory until MPI has taken it. Send the packets now, wait for the large
+        # sends, then write.
         e.stream.flush_all()
+        if op.data_requests:
+            yield Requests([r for r, _ in op.data_requests], "the sends of the input it overwrites")
         return target.detach().copy_(out)
     return _submit("ALLREDUCE", name, task)
 

@@ -77,7 +77,22 @@ def _agreed(call, params, root_rank=None, keep=lambda p: True):
     wrong = _difference(call, views)
     if wrong is not None:
         raise ValueError(wrong)
-    return items
+    return _distinct(items)
+
+
+def _distinct(items):
+    """items without the entries that are an earlier entry's memory (a state_dict
+    lists tied weights under each name): two in-place operations in flight on one
+    tensor would each add the other agents' values into it."""
+    seen, out = set(), []
+    for n, p in items:
+        if p.numel():
+            where = (p.untyped_storage().data_ptr(), p.storage_offset(), p.dtype, tuple(p.shape), p.stride())
+            if where in seen:
+                continue
+            seen.add(where)
+        out.append((n, p))
+    return out
 
 
 def broadcast_parameters(params, root_rank):

@@ -162,6 +162,17 @@ with torch.no_grad():
 bf.allreduce_parameters(dict(model.named_parameters()))
 np.testing.assert_allclose(flat().numpy(), root_params.numpy() + (size - 1) / 2, rtol=1e-6, atol=1e-6)
 
+# tied weights: a state_dict lists the shared tensor under both names; it is averaged once
+tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+tied[1].weight = tied[0].weight
+with torch.no_grad():
+    tied[0].weight.copy_(torch.arange(15.0).view(5, 3) * (rank + 1))
+sd = tied.state_dict()
+assert sd["0.weight"].data_ptr() == sd["1.weight"].data_ptr()
+bf.allreduce_parameters(sd)
+np.testing.assert_allclose(tied[0].weight.detach().numpy(),
+                           np.arange(15.0).reshape(5, 3) * np.mean(np.arange(1, size + 1)), rtol=1e-6)
+
 bf.barrier()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)

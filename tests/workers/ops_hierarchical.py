@@ -30,20 +30,24 @@ y = bf.allreduce(torch.from_numpy(data(rank)), is_hierarchical_local=True, name=
 np.testing.assert_allclose(y.numpy(), machine_mean[m], rtol=1e-12)
 
 # in place, with the machine's first agent last: its peers' inputs are all in when its
-# call starts, so the call finishes in the pass that queues its own input for them,
-# which must still send the input, not the result written into the same tensor
+# call starts, so the call can finish in the pass that queues its own input for them
+# (small: packets made at the end of the pass) or while MPI still sends it from the
+# tensor's memory (large: above the inline limit, 64 KiB); the peers must get the
+# input, not the result written into the same tensor
 stream = state().engine.stream
-for i in range(3):
+for i, n in enumerate((6, 6, 6, 20000, 20000, 20000)):
     name = f"local.inplace.{i}"
+    xs = [np.random.default_rng(50 + r).normal(size=n) for r in range(size)]
     if rank % per == 0:
         peers = [(r, (name, "local")) for r in state().local_ranks if r != rank]
         deadline = time.monotonic() + 30
         while not all(stream.inbox.get(k) for k in peers):
             assert time.monotonic() < deadline, f"rank {rank}: the machine's inputs for {name} never came"
             time.sleep(0.005)
-    x = torch.from_numpy(data(rank).copy())
+    x = torch.from_numpy(xs[rank].copy())
     bf.allreduce_(x, is_hierarchical_local=True, name=name)
-    np.testing.assert_allclose(x.numpy(), machine_mean[m], rtol=1e-12, err_msg=f"rank {rank}, {name}")
+    want = np.mean([xs[m * per + l] for l in range(per)], axis=0)
+    np.testing.assert_allclose(x.numpy(), want, rtol=1e-12, err_msg=f"rank {rank}, {name}")
 
 # 16-bit floats: the machine sum is added in float32 and rounded once (as allreduce
 # does). Each machine's first agent holds big, the others 1: each 1 alone is below
