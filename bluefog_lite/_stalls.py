@@ -143,7 +143,13 @@ class StallInspector:
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
                     f"waiting {self._waiting_for(op)}{self._stray_hint(op)}")
-                op.task.close()
+                if isinstance(op.wait, Requests):
+                    # A posted MPI call still reads and writes its buffers (an in-place
+                    # target included) until it completes: the task, whose frame holds
+                    # them, is kept with its requests until then (Engine.keep_sending)
+                    self.keep_sending([(r, op.task) for r in op.wait.reqs])
+                else:
+                    op.task.close()
                 if isinstance(op.wait, Recv):
                     self.forget_inputs(op.wait.keys)
                 self._finish(op)

@@ -108,5 +108,9 @@ def test_a_fused_group_that_times_out_fails_every_member_and_leaves_no_stale_dat
     run_agents(4, "runtime_timeout_fused.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
 
+def test_an_operation_timing_out_inside_a_posted_mpi_call_keeps_its_memory_for_mpi():
+    run_agents(1, "runtime_timeout_posted.py", timeout=60, env={"BLUEFOG_OP_TIMEOUT_S": "0.5"})
+
+
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
