@@ -377,8 +377,14 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
 
 
 def get(eng, op, win, src_weights, require_mutex, with_p):
-    """Fetch src_weights[s] * (exposed copy of s) into my buffer for each s."""
-    _publish(win)
+    """Fetch src_weights[s] * (exposed copy of s) into my buffer for each s. With
+    require_mutex, my own exposed copy is refreshed under my mutex (a neighbor's
+    win_get holding it reads the copy whole), the sources' read under theirs."""
+    mine = yield from _locked(eng, op, win, [win.rank], require_mutex)
+    try:
+        _publish(win)
+    finally:
+        release(win, mine)
     locked = yield from _locked(eng, op, win, sorted(src_weights), require_mutex)
     try:
         with _phase(op.name, "COMMUNICATE"):

@@ -92,6 +92,25 @@ else:
         time.sleep(rng.uniform(0, 0.002))
     bf.synchronize(leaves_done("marker"))
 bf.barrier()
+
+# -- (4) win_get(require_mutex=True) refreshes the agent's own exposed copy under its own
+#        mutex: while a leaf holds rank 0's mutex, rank 0's win_get cannot finish --------------
+if rank == 1:
+    with bf.win_mutex("m", ranks=[0]):
+        bf.barrier()                               # rank 0 starts its win_get now
+        bf.barrier()                               # ... and has looked at it
+elif rank == 0:
+    bf.barrier()
+    h = bf.win_get_nonblocking("m", require_mutex=True)
+    time.sleep(0.3)
+    done_while_held = bf.win_poll(h)
+    bf.barrier()
+    bf.win_wait(h)
+    assert not done_while_held, "win_get refreshed rank 0's exposed copy while rank 1 held rank 0's mutex"
+else:
+    bf.barrier()
+    bf.barrier()
+bf.barrier()
 bf.win_free("m")
 sys.stdout.write(f"AGENT OK {rank}\n")
 bf.shutdown()
