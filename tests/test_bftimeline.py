@@ -24,13 +24,14 @@ THREAD_TIDS = {"main": 1, "communication": 2}
 
 # ---- writing synthetic agent files -------------------------------------------------
 
-def write_agent(path, rank, size, slices, offset_us=0.0, rtt_us=2.0, instants=(), crashed=False, host="h"):
+def write_agent(path, rank, size, slices, offset_us=0.0, rtt_us=2.0, instants=(), crashed=False, host="h",
+                run=("run-a", 1.8e9)):
     """An agent file as the writer lays it out. slices: (tensor, thread, activity,
     begin, end) in µs on the agent's own clock; end None leaves the slice open
     (crashed=True then also leaves the array unterminated with a cut last line)."""
     pids, lines = {}, ["[\n"]
     meta = {"rank": rank, "size": size, "hostname": host, "clock_offset_us": offset_us,
-            "clock_offset_rtt_us": rtt_us, "clock_offset_measured": True}
+            "clock_offset_rtt_us": rtt_us, "clock_offset_measured": True, "run_id": run[0], "run_started_s": run[1]}
     lines.append(json.dumps({"name": "bluefog_metadata", "ph": "M", "pid": 0, "tid": 0, "args": meta}) + ",\n")
     timed = []
     for tensor, thread, activity, begin, end in slices:
@@ -325,6 +326,21 @@ def test_a_file_that_is_not_a_timeline_is_a_clear_error(tmp_path, capsys, conten
     assert code == 1 and "tl_0.json" in err and "not a" in err
 
 
+def test_files_of_different_runs_under_one_prefix_are_refused(tmp_path, capsys):
+    """A rerun of the same size that died before ranks 2 and 3 reopened their files:
+    the four files look like one run but are two; every command names both."""
+    for r in range(4):
+        write_agent(tmp_path / f"tl_{r}.json", r, 4, [], run=("run-a", 1.8e9) if r < 2 else ("run-b", 1.8e9 + 5000))
+    for command in (["summary", tmp_path / "tl_"], ["merge", tmp_path / "tl_", "-o", tmp_path / "m.json"]):
+        code, _, err = cli(command, capsys)
+        assert code == 1 and "different runs" in err, err
+        assert "ranks 0, 1 of a run of 4 agents started" in err and "ranks 2, 3 of a run of 4 agents" in err, err
+    for r in range(4):    # a rerun with fewer agents: the stale files are named by their run
+        write_agent(tmp_path / f"tl_{r}.json", r, 4 if r < 2 else 8, [], run=("run-a", 1.8e9))
+    code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
+    assert code == 1 and "ranks 2, 3 of a run of 8 agents" in err, err
+
+
 def test_a_file_whose_rank_differs_from_its_name_is_refused(tmp_path, capsys):
     write_agent(tmp_path / "tl_0.json", 1, 2, [])
     code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
@@ -382,6 +398,12 @@ def _python_m(*args):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "bluefog_lite.timeline", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def test_real_run_files_share_one_run_id(real_run):
+    _, prefix = real_run
+    ids = {metadata(read_events(f"{prefix}{r}.json"))["run_id"] for r in range(4)}
+    assert len(ids) == 1 and None not in ids, ids
 
 
 def test_real_run_merge_has_one_process_per_agent_and_paired_arrows(real_run):

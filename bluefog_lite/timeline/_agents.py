@@ -2,6 +2,7 @@
 import collections
 import os
 import re
+import time
 
 from ._reader import read_metadata
 
@@ -31,11 +32,14 @@ def find_agents(prefix):
     if not found:
         raise ValueError(f"no timeline files {prefix}<rank>.json (looked for e.g. {prefix}0.json)")
     agents = [_agent(rank, path) for rank, path in sorted(found.items())]
-    sizes = {a.meta.get("size") for a in agents}
-    if len(sizes) != 1:
-        raise ValueError(f"the files {prefix}<rank>.json come from runs of different sizes "
-                         f"{sorted(sizes, key=str)}")
-    size = sizes.pop()
+    runs = collections.defaultdict(list)     # (run id, size) -> its files' ranks
+    for a in agents:
+        runs[(a.meta.get("run_id"), a.meta.get("size"))].append(a)
+    if len(runs) != 1:
+        raise ValueError(f"the files {prefix}<rank>.json come from different runs ("
+                         + "; ".join(_describe_run(run) for run in runs.values())
+                         + "): delete the other run's files or record each run under its own prefix")
+    size = agents[0].meta.get("size")
     if isinstance(size, int):
         missing = [f"{prefix}{r}.json" for r in range(size) if r not in found]
         if missing:
@@ -44,6 +48,16 @@ def find_agents(prefix):
         if stray:
             raise ValueError(f"files for ranks beyond the run's {size} agents: {', '.join(stray)}")
     return agents
+
+
+def _describe_run(agents):
+    meta = agents[0].meta
+    ranks = [a.rank for a in agents]
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    started = meta.get("run_started_s")
+    when = (" started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+            if isinstance(started, (int, float)) else "")
+    return f"ranks {shown} of a run of {meta.get('size')} agents{when}"
 
 
 def _agent(rank, path):

@@ -20,6 +20,7 @@ from ._writer import COMM_TID, MAIN_TID, Writer
 _session = None    # the open _Session, recording or waiting for its step window
 _steps = 0         # optimizer steps completed since the timeline was configured
 _clock_sync = None  # (offset_us, rtt_us) measured at init, or None
+_run = (None, None)  # (id, rank 0's wall time at init): the same on every agent of a run (measure_clock)
 _followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
 _lock = threading.RLock()        # opening and closing files: callers may be on several threads
 
@@ -91,7 +92,7 @@ def _metadata(prefix, st, start_step, end_step):
     perf_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
     offset, rtt = _clock_sync if _clock_sync is not None else (0.0, None)
     return {
-        "rank": st.rank, "size": st.size, "local_rank": st.local_rank, "local_size": st.local_size,
+        "run_id": _run[0], "run_started_s": _run[1], "rank": st.rank, "size": st.size, "local_rank": st.local_rank, "local_size": st.local_size,
         "machine_rank": st.machine_rank, "hostname": socket.gethostname(), "os_pid": os.getpid(),
         "prefix": prefix,
         "clock": "perf_counter", "ts_unit": "us",
@@ -128,9 +129,14 @@ def measure_clock(st):
     """Called by init() on every agent (collective, ~1 ms at 4-8 agents): the
     clock offset to rank 0 that every timeline file of this run records, whether
     it is opened at init or later by timeline_start."""
-    global _clock_sync
+    global _clock_sync, _run
     _clock_sync = _clock.measure_offset(st.comm)
     st.clock_offset_us = _clock_sync[0]
+    # One id for the run, in every file it writes: the tools refuse to mix files of
+    # different runs left under one prefix (a rerun that died before all agents
+    # reopened their files)
+    now = time.time()
+    _run = st.comm.bcast((f"{socket.gethostname()}.{os.getpid()}.{now!r}", now) if st.rank == 0 else None, root=0)
 
 
 @_locked
