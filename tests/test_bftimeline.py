@@ -341,6 +341,31 @@ def test_files_of_different_runs_under_one_prefix_are_refused(tmp_path, capsys):
     assert code == 1 and "ranks 2, 3 of a run of 8 agents" in err, err
 
 
+def test_an_empty_file_is_named_as_empty(tmp_path, capsys):
+    write_agent(tmp_path / "tl_0.json", 0, 2, [])
+    (tmp_path / "tl_1.json").write_text("[\n")
+    code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
+    assert code == 1 and "tl_1.json is empty" in err, err
+
+
+def test_merge_does_not_overwrite_its_inputs_and_leaves_no_partial_output(tmp_path, capsys):
+    prefix = overlap_trace(tmp_path)
+    before = (tmp_path / "tl_0.json").read_bytes()
+    code, _, err = cli(["merge", prefix, "-o", f"{prefix}0.json"], capsys)
+    assert code == 1 and "an input of the merge" in err, err
+    assert (tmp_path / "tl_0.json").read_bytes() == before
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0 and load_json(tmp_path / "m.json")
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
+
+
+@pytest.mark.parametrize("name", ["other", "communication", "COMMUNICATE", "MPI_NEIGHBOR_ALLREDUCE"])
+def test_summary_refuses_compute_names_that_are_not_compute(tmp_path, capsys, name):
+    prefix = overlap_trace(tmp_path)
+    code, _, err = cli(["summary", prefix, "--compute", name], capsys)
+    assert code == 1 and "not a compute activity" in err, err
+
+
 def test_a_file_whose_rank_differs_from_its_name_is_refused(tmp_path, capsys):
     write_agent(tmp_path / "tl_0.json", 1, 2, [])
     code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
@@ -481,3 +506,18 @@ def test_real_run_plot_is_a_png_of_sane_size_with_the_phase_colors(real_run):
     colors = {tuple(p) for p in pixels.reshape(-1, 3)}
     for hex_color in ("#2171b5", "#6a51a3", "#e6550d"):   # FORWARD, BACKWARD, COMMUNICATE
         assert tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5)) in colors
+
+
+def test_window_operations_phases_are_not_kept_after_their_span():
+    """The reader keeps a row's COMMUNICATE slices only until its MPI_ span ends, also
+    for window operations (no exchange arrows): a long run holds a few numbers per
+    call, not every window call's slices."""
+    from bluefog_lite.timeline._exchanges import AgentExchanges
+    from bluefog_lite.timeline._slices import Slice
+    ex = AgentExchanges()
+    for k in range(1000):
+        t = 10.0 * k
+        ex.instant(1, 2, t + 1, "SEND_TO 1")
+        ex.add(Slice(1, 2, "COMMUNICATE", t + 1, t + 5, True))
+        ex.add(Slice(1, 2, "MPI_WIN_PUT", t, t + 6, True))
+    assert not any(ex._communicate.values()) and not any(ex._sends.values())

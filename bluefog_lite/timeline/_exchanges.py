@@ -65,12 +65,14 @@ class AgentExchanges:
                 self._arrivals[(s.pid, kind)].append(s.begin)
         elif name.startswith("MPI_"):
             kind = name[4:]
+            # this row's phases and marks so far belong to this span (kept only until it ends,
+            # also for kinds without exchanges: window operations)
+            pending = self._communicate.pop((s.pid, s.tid), ())
+            sends = self._sends.pop((s.pid, s.tid), ())
             if kind not in EXCHANGE_KINDS:
                 return
-            pending = self._communicate.pop((s.pid, s.tid), ())
             inside = [c for c in pending if c.begin >= s.begin and c.end <= s.end]
-            marks = [r for ts, ranks in self._sends.pop((s.pid, s.tid), ()) if s.begin <= ts <= s.end
-                     for r in ranks]
+            marks = [r for ts, ranks in sends if s.begin <= ts <= s.end for r in ranks]
             ex = self._exchanges.get((s.pid, kind))
             if ex is None:
                 ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [])

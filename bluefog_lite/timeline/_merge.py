@@ -15,6 +15,7 @@ edges of the topology if one is given.
 """
 import json
 import math
+import os
 
 from ._agents import find_agents
 from ._exchanges import COLLECTIVE_KINDS, AgentExchanges
@@ -31,9 +32,26 @@ def merge(prefix, out_path, topology=None, flows=True):
     topology: None, or a callable size -> networkx.DiGraph whose edges are the
     neighbor exchanges. Returns {"agents": n, "events": m, "flows": f}."""
     agents = find_agents(prefix)
+    for agent in agents:
+        if os.path.exists(out_path) and os.path.samefile(out_path, agent.path):
+            raise ValueError(f"the output {out_path} is rank {agent.rank}'s timeline file, an input of the merge; "
+                             "write the merged trace elsewhere")
     counts = {"agents": len(agents), "events": 0, "flows": 0}
+    partial = f"{out_path}.partial"     # moved to out_path once whole
+    try:
+        _write(prefix, agents, partial, topology, flows, counts)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
+    os.replace(partial, out_path)
+    counts["flows"] //= 2
+    return counts
+
+
+def _write(prefix, agents, path, topology, flows, counts):
     records = {}
-    with open(out_path, "w", encoding="utf-8") as out:
+    with open(path, "w", encoding="utf-8") as out:
         out.write("[\n")
         for agent in agents:
             writer = _AgentWriter(agent, out)
@@ -47,8 +65,6 @@ def merge(prefix, out_path, topology=None, flows=True):
         out.write(_line({"name": "bluefog_merged", "ph": "M", "pid": 0, "tid": 0,
                          "args": {"prefix": prefix, "agents": len(agents), "clock": "rank 0",
                                   "flows": counts["flows"] // 2}}, last=True))
-    counts["flows"] //= 2
-    return counts
 
 
 def agent_pid(rank):

@@ -3,6 +3,7 @@ array, and streamed one at a time for large files), metadata, and the spans of
 every (pid, tid) row with their nesting."""
 import collections
 import json
+import os
 import re
 
 Span = collections.namedtuple("Span", "pid tid name begin end parent")
@@ -164,4 +165,7 @@ def read_metadata(path, within=64):
             return ev["args"]
         if k >= within:
             break
+    if os.path.getsize(path) <= 2:
+        raise ValueError(f"{path} is empty: its agent wrote no timeline (killed before its writer's first "
+                         "flush, or a file left from elsewhere)")
     raise ValueError(f"{path} is not a bluefog_lite timeline file (no bluefog_metadata event at its start)")
