@@ -7,6 +7,7 @@ must neither pull in torch nor initialise MPI.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shlex
 import shutil
@@ -23,7 +24,8 @@ USAGE_ERROR = 2
 SHUTDOWN_GRACE_S = 10.0
 _RANK_GUARD_FLAG = "--_rank-guard"
 _NO_STATUS_DIR = "-"
-_RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1   # prctl(2)
+_RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # Open MPI does not forward the environment to remote ranks: bfrun forwards what a
 # Python/PyTorch job needs to find the same interpreter and packages and to keep its
 # threading and device settings (names, and prefixes of names).
@@ -129,8 +131,8 @@ def _positive_int(text: str) -> int:
 
 def _host_list(text: str) -> str:
     for entry in text.split(","):
-        host, _, slots = entry.partition(":")
-        if not host or (slots and not (slots.isdigit() and int(slots) > 0)):
+        host, colon, slots = entry.partition(":")
+        if not host or host != host.strip() or (colon and not (slots.isdigit() and int(slots) > 0)):
             raise argparse.ArgumentTypeError(
                 f"expected host1:n1,host2:n2,... (n a positive integer), got {text!r}")
     return text
@@ -180,6 +182,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if not args.command:
         parser.error("missing command: give the program to run on every rank, "
                      "e.g. bfrun -np 4 python train.py")
+    try:
+        shlex.split(args.extra_mpi_flags or "")
+    except ValueError as exc:
+        parser.error(f"--extra-mpi-flags {args.extra_mpi_flags!r}: {exc} (one shell-quoted string)")
     return args
 
 
@@ -370,7 +376,8 @@ def _print_version() -> None:
 
 
 def _run_job(command: List[str], env: Mapping[str, str]) -> int:
-    """Run the launcher in its own process group; relay SIGINT/SIGTERM/SIGHUP to it.
+    """Run the launcher in its own process group; relay SIGINT/SIGTERM/SIGHUP/SIGQUIT
+    to it (and, on Linux, the kernel sends it SIGTERM if bfrun is killed outright).
 
     After the first signal the launcher has SHUTDOWN_GRACE_S seconds to stop
     the ranks (Hydra forwards the signal to every rank's process group, and a
@@ -393,7 +400,8 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
         pass
     try:
         try:
-            process.append(subprocess.Popen(command, env=env, start_new_session=True))
+            process.append(subprocess.Popen(command, env=env, start_new_session=True,
+                                            preexec_fn=_stop_with(os.getpid())))
         except OSError as exc:
             return _fail(f"cannot start the MPI launcher {command[0]!r}: {exc}")
         if received:  # a signal came before the launcher existed
@@ -405,6 +413,21 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     if received:
         return 128 + received[0]
     return code if code >= 0 else 128 - code
+
+
+def _stop_with(parent: int):
+    """For the launcher's process, before it runs: on Linux, have the kernel send it
+    SIGTERM when bfrun dies, whatever kills bfrun (SIGKILL cannot be relayed), so
+    that the job does not go on alone in its own session."""
+    def preexec():
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):     # not Linux: nothing to do
+            return
+        if os.getppid() != parent:            # bfrun died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
 
 
 def _wait_with_deadline(proc: subprocess.Popen, received: List[int]) -> int:

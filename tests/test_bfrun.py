@@ -124,6 +124,9 @@ def test_openmpi_hosts_hostfile_and_forwarded_environment(monkeypatch, tmp_path)
     (["--no-such-option", "-np", "4", "prog"], ["unrecognized", "--no-such-option"]),
     (["-np", "4", "-H", "a:x", "prog"], ["-H", "host1:n1"]),
     (["-np", "4", "-H", "a:1", "--hostfile", "f", "prog"], ["not allowed with"]),
+    (["-np", "4", "-H", "a:2, b:2", "prog"], ["-H", "host1:n1"]),
+    (["-np", "4", "-H", "h1:", "prog"], ["-H", "host1:n1"]),
+    (["-np", "4", "--extra-mpi-flags", "-genv A 'b", "prog"], ["--extra-mpi-flags", "No closing quotation"]),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(argv, words, capsys):
     assert run.main(argv) == 2
@@ -346,3 +349,76 @@ def test_open_mpi_job_gets_the_environment_and_stops_on_a_failing_rank(tmp_path)
     assert time.monotonic() - start < 90
     lines = sorted(line.split() for line in out.splitlines() if line.startswith("rank "))
     assert lines == [["rank", str(r), str(tmp_path / "tl_"), "7"] for r in range(4)]
+
+
+# --------------------------------------------------------------------------
+# Signals bfrun cannot or need not handle itself
+
+def _sleeping_launcher(tmp_path):
+    """A launcher that says it is Hydra, then writes its pid and sleeps."""
+    pidfile = tmp_path / "launcher.pid"
+    path = tmp_path / "mpiexec"
+    path.write_text("#!/bin/sh\n"
+                    "if [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
+                    f"echo $$ > {pidfile}\nexec sleep 60\n")
+    path.chmod(0o755)
+    return str(path), pidfile
+
+
+def _launcher_pid(pidfile, proc):
+    deadline = time.monotonic() + 20
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the launcher never started"
+        time.sleep(0.05)
+    return int(pidfile.read_text())
+
+
+def _gone(pid, within):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:      # a zombie of init's is gone for our purposes
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(") ")[-1].startswith("Z"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_the_job_stops_when_bfrun_is_killed_outright(tmp_path):
+    launcher, pidfile = _sleeping_launcher(tmp_path)
+    env = dict(os.environ, BLUEFOG_MPIEXEC=launcher)
+    proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env)
+    pid = _launcher_pid(pidfile, proc)
+    proc.kill()                                   # SIGKILL: bfrun cannot relay anything
+    proc.wait()
+    alive = not _gone(pid, 10)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the launcher went on after bfrun was killed"
+
+
+def test_sigquit_is_passed_to_the_launcher(tmp_path):
+    launcher, pidfile = _sleeping_launcher(tmp_path)
+    env = dict(os.environ, BLUEFOG_MPIEXEC=launcher)
+    proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env)
+    pid = _launcher_pid(pidfile, proc)
+    proc.send_signal(signal.SIGQUIT)
+    assert proc.wait(timeout=20) == 128 + signal.SIGQUIT
+    alive = not _gone(pid, 10)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the launcher went on after bfrun got SIGQUIT"
+
+
+def test_bfrun_runs_through_a_symlink(tmp_path):
+    link = tmp_path / "bfrun"
+    link.symlink_to(BFRUN)
+    proc = subprocess.run([sys.executable, str(link), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "Launch a bluefog_lite job" in proc.stdout, proc.stderr
