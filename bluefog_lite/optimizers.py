@@ -167,7 +167,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                          "the wrapper's hooks are installed on the model's parameters at creation")
 
     def _communicating(self):
-        return self._steps % self.num_steps_per_communication == 0
+        """Steps k, 2k, ... communicate (k = num_steps_per_communication; 1-based)."""
+        return (self._steps + 1) % self.num_steps_per_communication == 0
 
     def _check_no_pending(self, name):
         if name in self._handles:
@@ -358,12 +359,13 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         self._local_step = step_function_for(optimizer)
         self._launched = set()
         self._updated = set()
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, group_of[id(p)])))
         # optimizer parameters outside the model: stepped locally in step(), like
         # the wrapped optimizer would (no communication, as in AWC)
-        self._extra = [(p, g) for g in optimizer.param_groups for p in g["params"]
+        self._extra = [(p, i) for i, g in enumerate(optimizer.param_groups) for p in g["params"]
                        if id(p) not in self._name_of]
 
     def _grad_hook(self, name, group):
@@ -379,7 +381,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     "steps between communications), or use DistributedAdaptWithCombineOptimizer, which "
                     "steps on the accumulated gradient")
             with torch.no_grad():
-                self._local_step(p, p.grad, group, self.optimizer.state[p])
+                self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
             if self._communicating():
                 self._launched.add(name)
@@ -391,7 +393,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         with torch.no_grad():
             for p, group in self._extra:
                 if p.grad is not None:
-                    self._local_step(p, p.grad, group, self.optimizer.state[p])
+                    self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
         try:
             self._step_synchronize()
         finally:

@@ -103,3 +103,9 @@ def test_two_backward_passes_before_step():
     """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
     Also: an optimizer parameter outside the model is stepped like torch.optim does."""
     run_agents(2, "opt_accumulate.py", timeout=120)
+
+
+def test_communication_period_and_atc_hyper_parameters_after_load_state_dict():
+    """num_steps_per_communication=3: steps 3, 6, ... communicate (x after step s is
+    W^(s // 3) x0 with lr 0); ATC steps with param_groups as loaded and changed."""
+    run_agents(4, "opt_period.py", timeout=120)

@@ -1,0 +1,56 @@
+"""Which steps communicate, and which hyper-parameters a step uses.
+
+1. num_steps_per_communication=k: steps k, 2k, ... communicate (local steps in
+   between, none after the last communication of a run of a multiple of k steps).
+   With lr=0 the local steps change nothing, so after step s every agent's
+   parameter is W^(s // k) x0 (W the Exp-2 mixing matrix), for AWC and ATC.
+2. After load_state_dict (what broadcast_optimizer_state does on every agent but
+   the root), ATC's steps use the loaded hyper-parameters and later changes to
+   param_groups (a learning-rate schedule), not the ones it was created with."""
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology
+
+bf.init()
+r, n = bf.rank(), bf.size()
+W = topology.mixing_matrix(topology.ExponentialTwoGraph(n))      # W[i, j]: j's weight for i
+x0 = np.array([[10.0 * j + 1, -3.0 * j] for j in range(n)])      # agent j's parameter
+data = torch.randn(5, 2, dtype=torch.float64)
+
+K, STEPS = 3, 7
+for name, wrapper in (("awc", bf.DistributedAdaptWithCombineOptimizer),
+                      ("atc", bf.DistributedAdaptThenCombineOptimizer)):
+    model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(x0[r]).view(1, 2))
+    opt = wrapper(torch.optim.SGD(model.parameters(), lr=0.0), model, num_steps_per_communication=K)
+    for s in range(1, STEPS + 1):
+        opt.zero_grad()
+        model(data).sum().backward()
+        opt.step()
+        want = (np.linalg.matrix_power(W.T, s // K) @ x0)[r]
+        got = model.weight.detach().numpy().ravel()
+        assert np.allclose(got, want, rtol=1e-12, atol=1e-12), \
+            f"rank {r}, {name}, after step {s} of k={K}: {got} != W^{s // K} x0 = {want}"
+    opt.remove_hooks()
+
+# 2. ATC after load_state_dict: lr set to 0 afterwards, so its local steps change nothing
+model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                              model, communication_type=bf.CommunicationType.empty)
+opt.load_state_dict(opt.state_dict())
+for group in opt.param_groups:
+    group["lr"] = 0.0
+before = model.weight.detach().clone()
+opt.zero_grad()
+model(data).sum().backward()
+opt.step()
+assert torch.equal(model.weight.detach(), before), \
+    f"rank {r}: ATC stepped with the learning rate it was created with, not the loaded/changed one"
+opt.remove_hooks()
+
+bf.barrier()
+print(f"AGENT OK {r}", flush=True)
+bf.shutdown()
