@@ -117,6 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._named = _named_params(model, optimizer)
+        self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]   # (checked per step)
         if self._named_ops:
             for n, _ in self._named:
                 ops.check_name(n, "parameter name", "rename the parameter (the wrapper runs its communication "
@@ -232,6 +233,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._in_order.new_round()
         self._steps += 1
         _timeline.step()
+        thawed = [n for n, p in self._frozen if p.grad is not None]
+        if thawed:
+            raise RuntimeError(
+                f"parameters {thawed[:5]} of the model did not require gradients when {type(self).__name__} "
+                "was created and now have them: the wrapper does not communicate them, so the agents' copies "
+                "would drift apart. After unfreezing, call remove_hooks() and wrap the optimizer again")
 
     @staticmethod
     def _run_closure(closure):

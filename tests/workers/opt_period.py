@@ -6,7 +6,9 @@
    parameter is W^(s // k) x0 (W the Exp-2 mixing matrix), for AWC and ATC.
 2. After load_state_dict (what broadcast_optimizer_state does on every agent but
    the root), ATC's steps use the loaded hyper-parameters and later changes to
-   param_groups (a learning-rate schedule), not the ones it was created with."""
+   param_groups (a learning-rate schedule), not the ones it was created with.
+3. A parameter unfrozen after wrapping is named by the next step (it would not be
+   communicated)."""
 import numpy as np
 import torch
 
@@ -50,6 +52,28 @@ opt.step()
 assert torch.equal(model.weight.detach(), before), \
     f"rank {r}: ATC stepped with the learning rate it was created with, not the loaded/changed one"
 opt.remove_hooks()
+
+# 3. A parameter frozen when the wrapper was made, then unfrozen: the wrapper does not
+#    communicate it, and says so at the first step that gives it a gradient
+for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer,
+                bf.DistributedGradientAllreduceOptimizer):
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64))
+    net[0].requires_grad_(False)
+    base = torch.optim.SGD(net[1].parameters(), lr=0.1)
+    opt = wrapper(base, net)
+    opt.zero_grad()
+    net(data).sum().backward()
+    opt.step()                                # fine while frozen
+    net[0].requires_grad_(True)
+    base.add_param_group({"params": net[0].parameters()})
+    opt.zero_grad()
+    net(data).sum().backward()
+    try:
+        opt.step()
+        raise AssertionError(f"{wrapper.__name__}: a parameter unfrozen after wrapping went unnoticed")
+    except RuntimeError as exc:
+        assert "['0.weight', '0.bias']" in str(exc) and "wrap the optimizer again" in str(exc), exc
+    opt.remove_hooks()
 
 bf.barrier()
 print(f"AGENT OK {r}", flush=True)
