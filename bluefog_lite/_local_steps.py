@@ -40,12 +40,12 @@ def adam_step(p, grad, group, state):
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(p)
         state["exp_avg_sq"] = torch.zeros_like(p)
+    if group.get("amsgrad", False):      # (turned on after wrapping: refused before any state changes)
+        raise ValueError("the per-parameter Adam step does not implement amsgrad; "
+                         "register your own with bf.register_step_function")
     beta1, beta2 = group["betas"]
     state["step"] += 1
     t = float(state["step"])
-    if group.get("amsgrad", False):
-        raise ValueError("the per-parameter Adam step does not implement amsgrad; "
-                         "register your own with bf.register_step_function")
     grad = _signed(grad, group)
     wd = group.get("weight_decay", 0)
     if wd and group.get("decoupled_weight_decay", False):   # AdamW
@@ -135,7 +135,11 @@ def register_step_function(optimizer_class, fn):
 def step_function_for(optimizer):
     for cls in type(optimizer).__mro__:
         if cls in _STEPS:
-            return _STEPS[cls]
+            fn = _STEPS[cls]
+            if fn is adam_step and any(g.get("amsgrad", False) for g in optimizer.param_groups):
+                raise ValueError("the per-parameter Adam step does not implement amsgrad; "
+                                 "register your own with bf.register_step_function")
+            return fn
     raise TypeError(f"DistributedAdaptThenCombineOptimizer has no per-parameter step for "
                     f"{type(optimizer).__name__}; supported: {[c.__name__ for c in _STEPS]}. "
                     "Add one with bf.register_step_function(cls, fn)")

@@ -396,6 +396,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         return hook
 
     def step(self, closure=None):
+        if self._hooks is None:
+            raise RuntimeError("this DistributedAdaptThenCombineOptimizer's hooks were removed (remove_hooks()): "
+                               "its local steps ran in them, so it no longer trains the model; wrap the "
+                               "optimizer again")
         loss = self._run_closure(closure)
         with torch.no_grad():
             for p, group in self._extra:

@@ -46,5 +46,7 @@ raises(ValueError, "the model already has a DistributedAdaptWithCombineOptimizer
 first.remove_hooks()
 second = ATC(sgd(net.parameters()), net)      # after remove_hooks, a new one may take its place
 second.remove_hooks()
+raises(RuntimeError, "hooks were removed", second.step)   # ATC's local steps ran in its hooks
+raises(ValueError, "does not implement amsgrad", ATC, torch.optim.Adam(net.parameters(), amsgrad=True), net)
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
