@@ -174,11 +174,26 @@ def inner_outer(fn, world, local, steps):
 
 
 @pytest.mark.parametrize("fn", INNER_OUTER)
-def test_inner_outer_two_machines_of_four(fn):
-    # Two machines: ring and expo2 coincide (only distance 1).
-    schedule = inner_outer(fn, 8, 4, 2)
+def test_inner_outer_two_machines_of_four_first_step(fn):
+    # Step 0: local rank 0 outside, distance 1 inside and out: ring and expo2 coincide.
+    schedule = inner_outer(fn, 8, 4, 1)
     assert schedule[0][:4] == [([4], [4]), ([2], [3]), ([3], [1]), ([1], [2])]
+
+
+def test_inner_outer_ring_two_machines_of_four_second_step():
+    schedule = inner_outer(topology.GetInnerOuterRingDynamicSendRecvRanks, 8, 4, 2)
     assert schedule[1][:4] == [([2], [3]), ([5], [5]), ([3], [0]), ([0], [2])]
+
+
+def test_inner_outer_expo2_inner_distance_counts_past_the_outside_rank():
+    # Step 1: local rank 1 outside; inside d = 2 (distances 1, 2 for 4 - 2 inner ranks).
+    # Rank 0: 2 ahead passes rank 1, so 3 -> rank 3; 2 behind -> rank 2.
+    # Rank 2: 2 ahead -> rank 0; 2 behind passes rank 1 -> rank 3. Rank 3: both pass it -> 2, 0.
+    schedule = inner_outer(topology.GetInnerOuterExpo2DynamicSendRecvRanks, 8, 4, 2)
+    assert schedule[1][:4] == [([3], [2]), ([5], [5]), ([0], [3]), ([2], [0])]
+    # 8 per machine (d = 1, 2, 4), rank 1: the docstring's example
+    gen = topology.GetInnerOuterExpo2DynamicSendRecvRanks(16, 8, 1)
+    assert [next(gen) for _ in range(3)] == [([2], [7]), ([9], [9]), ([6], [5])]
 
 
 def test_inner_outer_ring_uses_next_machine():
@@ -190,15 +205,17 @@ def test_inner_outer_ring_uses_next_machine():
     assert schedule[2][5] == ([8], [2])
 
 
-def test_inner_outer_expo2_distance_advances_each_round():
-    # 16 ranks, 4 per machine: M = 4 machines, distances 1, 2.
+def test_inner_outer_expo2_machine_distance_follows_the_step():
+    # 16 ranks, 4 per machine: M = 4 machines, distances 1, 2 by step k % 2 (Bluefog's
+    # rule). Local rank 0 goes outside at even steps, so always 1 machine ahead; local
+    # rank 1 at odd ones, always 2 ahead.
     schedule = inner_outer(topology.GetInnerOuterExpo2DynamicSendRecvRanks, 16, 4, 12)
-    assert [schedule[k][0] for k in (0, 4, 8)] == [([4], [12]), ([8], [8]), ([4], [12])]
-    assert [schedule[k][5] for k in (1, 5, 9)] == [([9], [1]), ([13], [13]), ([9], [1])]
+    assert [schedule[k][0] for k in (0, 4, 8)] == [([4], [12])] * 3
+    assert [schedule[k][5] for k in (1, 5, 9)] == [([13], [13])] * 3
 
 
-def test_inner_outer_expo2_every_local_rank_visits_every_distance():
-    # 8 machines of 4: distances 1, 2, 4.
+def test_inner_outer_expo2_every_local_rank_visits_every_distance_when_counts_are_coprime():
+    # 8 machines of 4: distances 1, 2, 4 (3 of them, coprime with 4 local ranks).
     fn = topology.GetInnerOuterExpo2DynamicSendRecvRanks
     for local in range(4):
         gen = fn(32, 4, local)

@@ -126,8 +126,10 @@ def _check_inner_outer(world_size, local_size, self_rank) -> Tuple[int, int, int
     return local_size, machines, self_rank
 
 
-def _inner_outer_schedule(local_size, machines, self_rank, outer_distance) -> Schedule:
-    """Shared loop; ``outer_distance(step)`` gives the machine distance at a step."""
+def _inner_outer_schedule(local_size, machines, self_rank, outer_distance, inner_distance) -> Schedule:
+    """Shared loop; ``outer_distance(step)`` is the machine distance at a step,
+    ``inner_distance(step)`` the distance between local ranks inside a machine,
+    counted without the outside rank (a step that would land on it goes one further)."""
     machine, local = divmod(self_rank, local_size)
     step = 0
     while True:
@@ -140,11 +142,11 @@ def _inner_outer_schedule(local_size, machines, self_rank, outer_distance) -> Sc
                 send = [((machine + distance) % machines) * local_size + local]
                 recv = [((machine - distance) % machines) * local_size + local]
         else:
-            nxt, prv = (local + 1) % local_size, (local - 1) % local_size
-            nxt = (nxt + 1) % local_size if nxt == outside else nxt
-            prv = (prv - 1) % local_size if prv == outside else prv
-            send = [machine * local_size + nxt]
-            recv = [machine * local_size + prv]
+            distance = inner_distance(step)
+            ahead = distance + 1 if distance >= (outside - local) % local_size else distance
+            behind = distance + 1 if distance >= (local - outside) % local_size else distance
+            send = [machine * local_size + (local + ahead) % local_size]
+            recv = [machine * local_size + (local - behind) % local_size]
         yield send, recv
         step += 1
 
@@ -169,24 +171,31 @@ def GetInnerOuterRingDynamicSendRecvRanks(
     ``local_size > 2`` (use GetDynamicOnePeerSendRecvRanks for smaller machines).
     """
     local_size, machines, self_rank = _check_inner_outer(world_size, local_size, self_rank)
-    return _inner_outer_schedule(local_size, machines, self_rank, lambda step: 1)
+    return _inner_outer_schedule(local_size, machines, self_rank, lambda step: 1, lambda step: 1)
 
 
 def GetInnerOuterExpo2DynamicSendRecvRanks(
     world_size: int, local_size: int, self_rank: int
 ) -> Schedule:
-    """Inner ring inside each machine plus one-peer exponential-2 between machines.
+    """One-peer exponential-2 both inside each machine and between machines
+    (Bluefog's Inner-Exp2-Outer-Exp2 schedule, step for step).
 
-    Rule: as GetInnerOuterRingDynamicSendRecvRanks, except that at step ``k``
-    the outside rank ``o = k % local_size`` of machine ``m`` sends to local
-    rank ``o`` of machine ``(m + 2**j) % M`` and receives from machine
-    ``(m - 2**j) % M``, with ``j = (k // local_size) % J`` and ``J`` the
-    number of distances ``2**j < M``.  So ``j`` advances once every local
-    rank has had its turn outside, and every local rank visits every
-    distance.  With ``M == 1`` the outside rank idles.
+    Rule: at step ``k`` the rank with local rank ``o = k % L`` on every machine
+    ``m`` is *outside*: it sends to local rank ``o`` of machine ``(m + 2**j) % M``
+    and receives from machine ``(m - 2**j) % M``, with ``j = k % J`` and ``J``
+    the number of distances ``2**j < M`` (with ``M == 1`` it idles: ``([], [])``).
+    The other ranks stay inside: with ``d = 2**(k % I)``, ``I`` the number of
+    distances ``2**i <= L - 2``, each sends ``d`` local ranks ahead and receives
+    from ``d`` behind, counting past the outside rank (a distance that reaches
+    or passes it is one longer). As in Bluefog, ``j`` follows ``k`` while the
+    outside rank does too, so a local rank may meet only some of the machine
+    distances (``L = 4, M = 16``: local rank 1 always goes 2 machines ahead).
 
-    Example: ``world_size=16, local_size=4`` (``M = 4``, distances 1, 2):
-    rank 0 is outside at steps 0, 4, 8, ... and sends to ranks 4, 8, 4, ...
+    Example: ``world_size=16, local_size=8`` (``M = 2``; inside ``d`` = 1, 2, 4),
+    rank 1: step 0 (rank 0 outside, ``d = 1``) sends to 2 and receives from 7
+    (one further back than 0); step 1 (outside itself) sends to and receives
+    from 9; step 2 (rank 2 outside, ``d = 4``) sends to 6 (4 ahead, passing 2)
+    and receives from 5 (4 behind).
 
     Raises ValueError unless ``world_size % local_size == 0`` and
     ``local_size > 2`` (use GetDynamicOnePeerSendRecvRanks for smaller machines).
@@ -194,7 +203,12 @@ def GetInnerOuterExpo2DynamicSendRecvRanks(
     local_size, machines, self_rank = _check_inner_outer(world_size, local_size, self_rank)
     num_distances = _num_exp2_distances(machines)
 
-    def outer_distance(step: int) -> int:
-        return 2 ** ((step // local_size) % num_distances)
+    inner_distances = (local_size - 2).bit_length()      # 2**i <= local_size - 2
 
-    return _inner_outer_schedule(local_size, machines, self_rank, outer_distance)
+    def outer_distance(step: int) -> int:
+        return 2 ** (step % num_distances)
+
+    def inner_distance(step: int) -> int:
+        return 2 ** (step % inner_distances)
+
+    return _inner_outer_schedule(local_size, machines, self_rank, outer_distance, inner_distance)
