@@ -41,6 +41,12 @@ _EXPORTS = {
         "timeline_start_activity", "timeline_end_activity", "timeline_context", "timeline_start",
         "timeline_stop"),
     ".hooks": ("timeline_install_hooks",),
+    "topology": (     # as bluefog.torch re-exports them from its topology_util
+        "GetRecvWeights", "GetSendWeights", "IsRegularGraph", "IsTopologyEquivalent",
+        "ExponentialTwoGraph", "ExponentialGraph", "FullyConnectedGraph", "MeshGrid2DGraph", "RingGraph",
+        "StarGraph", "SymmetricExponentialGraph", "GetDynamicOnePeerSendRecvRanks",
+        "GetExp2DynamicSendRecvMachineRanks", "GetInnerOuterRingDynamicSendRecvRanks",
+        "GetInnerOuterExpo2DynamicSendRecvRanks"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_HOME)

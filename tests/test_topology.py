@@ -317,3 +317,32 @@ def test_topology_imports_only_numpy_and_networkx():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_bluefog_lite_re_exports_the_topology_functions_as_bluefog_torch_does():
+    """bluefog.torch re-exports these from its topology_util; scripts call bf.RingGraph etc."""
+    import bluefog_lite as bf
+    names = ["GetRecvWeights", "GetSendWeights", "IsRegularGraph", "IsTopologyEquivalent",
+             "ExponentialTwoGraph", "ExponentialGraph", "FullyConnectedGraph", "MeshGrid2DGraph", "RingGraph",
+             "StarGraph", "SymmetricExponentialGraph", "GetDynamicOnePeerSendRecvRanks",
+             "GetExp2DynamicSendRecvMachineRanks", "GetInnerOuterRingDynamicSendRecvRanks",
+             "GetInnerOuterExpo2DynamicSendRecvRanks"]
+    for name in names:
+        assert getattr(bf, name) is getattr(topology, name), name
+        assert name in bf.__all__ and name in dir(bf), name
+    assert sorted(bf.RingGraph(4).edges()) == sorted(topology.RingGraph(4).edges())
+
+
+def test_is_power_of_is_exact_in_integers():
+    assert topology.isPowerOf(243, 3) and topology.isPowerOf(1, 5) and topology.isPowerOf(2 ** 60, 2)
+    assert not topology.isPowerOf(12, 2) and not topology.isPowerOf(3 ** 20 + 1, 3)
+    for bad in ((0, 2), (4, 1), (2.5, 2)):
+        with pytest.raises(ValueError):
+            topology.isPowerOf(*bad)
+
+
+def test_mesh_grid_shape_may_be_a_numpy_pair_but_not_a_string():
+    G = topology.MeshGrid2DGraph(6, shape=np.array([2, 3]))
+    assert sorted(G.edges()) == sorted(topology.MeshGrid2DGraph(6, shape=(2, 3)).edges())
+    with pytest.raises(ValueError, match="pair"):
+        topology.MeshGrid2DGraph(6, shape="23")

@@ -8,6 +8,7 @@ from .builders import (
     RingGraph,
     StarGraph,
     SymmetricExponentialGraph,
+    isPowerOf,
 )
 from .schedules import (
     GetDynamicOnePeerSendRecvRanks,
@@ -31,6 +32,7 @@ __all__ = [
     "RingGraph",
     "StarGraph",
     "SymmetricExponentialGraph",
+    "isPowerOf",
     "GetDynamicOnePeerSendRecvRanks",
     "GetExp2DynamicSendRecvMachineRanks",
     "GetInnerOuterExpo2DynamicSendRecvRanks",

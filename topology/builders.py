@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Dict, Iterable, Optional, Tuple
 
 import networkx as nx
+import numpy as np
 
 from ._validate import check_int, check_rank
 
@@ -62,6 +63,13 @@ def _is_power_of(value: int, base: int) -> bool:
     while value % base == 0:
         value //= base
     return value == 1
+
+
+def isPowerOf(x: int, base: int) -> bool:
+    """True iff ``x == base**k`` for an integer ``k >= 0`` (exact, in integers;
+    Bluefog's helper of the same name). Raises ValueError unless x >= 1 and base >= 2
+    are integers."""
+    return _is_power_of(check_int(x, "x", minimum=1), check_int(base, "base", minimum=2))
 
 
 def ExponentialGraph(size: int, base: int = 2) -> nx.DiGraph:
@@ -122,7 +130,10 @@ def _mesh_shape(size: int, shape: Optional[Tuple[int, int]]) -> Tuple[int, int]:
     if shape is None:
         rows = max(r for r in range(1, size + 1) if r * r <= size and size % r == 0)
         return rows, size // rows
-    if not isinstance(shape, Sequence) or len(shape) != 2:     # (a set has no order)
+    if isinstance(shape, np.ndarray):       # (Bluefog accepts an array)
+        shape = tuple(shape.tolist()) if shape.ndim == 1 else shape
+    # a set has no order; a string is a sequence of characters
+    if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)) or len(shape) != 2:
         raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}")
     rows, cols = shape
     rows = check_int(rows, "shape[0]", minimum=1)

@@ -107,7 +107,9 @@ def IsTopologyEquivalent(topo1: nx.DiGraph, topo2: nx.DiGraph) -> bool:
 
     Weights are compared up to 1e-12; an explicit zero-weight edge differs
     from a missing edge (it still makes the two ranks neighbors).  ``None``
-    for either argument gives False.
+    for either argument gives False; anything else that is not a topology
+    (not a networkx graph on nodes 0..n-1) raises ValueError, where Bluefog's
+    returned False.
 
     Example: ``IsTopologyEquivalent(RingGraph(2), FullyConnectedGraph(2))``
     is True; ``IsTopologyEquivalent(RingGraph(4), ExponentialTwoGraph(4))``
