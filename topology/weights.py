@@ -95,6 +95,8 @@ def IsRegularGraph(topo: nx.DiGraph) -> bool:
 
     Self-loops count in both degrees.  Example: ``ExponentialTwoGraph(8)`` is
     regular, ``StarGraph(4)`` is not.  A graph with no node is regular.
+    (Bluefog's compared each node's in-degree + out-degree; the answers differ
+    only for directed graphs whose nodes trade in-edges for out-edges.)
     """
     topo = check_topology(topo)
     in_degrees = {d for _, d in topo.in_degree()}
