@@ -48,7 +48,7 @@ def check_name(name, what="name", fix="choose another name"):
         raise TypeError(f"{what} must be a non-empty string, got {name!r}")
     if name in RESERVED_NAMES:
         raise ValueError(f"{what} {name!r} is reserved: bluefog_lite's {RESERVED_NAMES[name]} runs under it; {fix}")
-    if _GENERATED.fullmatch(name):
+    if ".noname." in name and _GENERATED.fullmatch(name):
         raise ValueError(f"{what} {name!r} has the form '<operation>.noname.<n>', reserved for the names "
                          f"given to calls without one; {fix}")
     return name
