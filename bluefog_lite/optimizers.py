@@ -47,6 +47,39 @@ def _named_params(model, optimizer):
     return named
 
 
+class _AfterForward:
+    """A module's forward hook: start the communication of its own parameters, once
+    per communicating step. A copy of the module (copy.deepcopy of the model: a
+    lookahead or "best so far" model) or a pickled one (torch.save(model)) gets a hook
+    that does nothing: it must not start the original parameters' communication."""
+    __slots__ = ("wrapper", "own", "launch")
+
+    def __init__(self, wrapper, own, launch):
+        self.wrapper, self.own, self.launch = wrapper, own, launch
+
+    def __call__(self, module, inputs, output):
+        wrapper = self.wrapper
+        if not module.training or not torch.is_grad_enabled() or not wrapper._communicating():
+            return
+        for name, p in self.own:
+            if name not in wrapper._launched:
+                wrapper._launched.add(name)
+                self.launch(name, p)
+
+    def __deepcopy__(self, memo):
+        return _Inert()
+
+    def __reduce__(self):
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a copied or unpickled model has in place of an _AfterForward hook."""
+
+    def __call__(self, module, inputs, output):
+        return None
+
+
 class _InOrder:
     """Starts the allreduce of each parameter in one fixed order, the same on every
     agent: collectives are matched across agents by their order, while the hooks
@@ -253,20 +286,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """launch(name, p) for each module's own parameters right after its forward,
         once per communicating step (even when forward runs several times)."""
         self._launched = set()
-
-        def make_hook(own):
-            def hook(module, inputs, output):
-                if not module.training or not torch.is_grad_enabled() or not self._communicating():
-                    return
-                for name, p in own:
-                    if name not in self._launched:
-                        self._launched.add(name)
-                        launch(name, p)
-            return hook
         for module in model.modules():
             own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
             if own:
-                self._hooks.append(module.register_forward_hook(make_hook(own)))
+                self._hooks.append(module.register_forward_hook(_AfterForward(self, own, launch)))
 
     def timeline_changed(self):
         """Called when a timeline file opens or closes on this agent (and at creation):

@@ -48,5 +48,26 @@ second = ATC(sgd(net.parameters()), net)      # after remove_hooks, a new one ma
 second.remove_hooks()
 raises(RuntimeError, "hooks were removed", second.step)   # ATC's local steps ran in its hooks
 raises(ValueError, "does not implement amsgrad", ATC, torch.optim.Adam(net.parameters(), amsgrad=True), net)
+
+# a copy of a wrapped model (copy.deepcopy, torch.save/load) does not start the original's communication
+import copy  # noqa: E402
+import io  # noqa: E402
+for wrapper in (AWC, WINPUT):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    opt = wrapper(sgd(model.parameters()), model)
+    x = torch.randn(4, 3)
+    twin = copy.deepcopy(model)
+    twin(x).sum().backward()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=False)(x).sum().backward()
+    assert not opt._handles and not opt._launched, (wrapper.__name__, opt._handles, opt._launched)
+    model(x).sum().backward()                   # the original still communicates
+    assert opt._launched == {"0.weight", "0.bias", "1.weight", "1.bias"}, opt._launched
+    opt.step()
+    opt.remove_hooks()
+    if wrapper is WINPUT:
+        opt.free_windows()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
