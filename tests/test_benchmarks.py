@@ -150,7 +150,9 @@ def test_ab_alternates_the_base_and_this_tree_and_removes_its_worktree(tmp_path)
     assert set(figures) == {"method=raw", "method=bf"} and all(f["value"] == "x_raw" for f in figures.values())
     assert figures["method=raw"]["A"] == figures["method=raw"]["B"] == [1.0, 1.0]
     assert len(figures["method=bf"]["A"]) == len(figures["method=bf"]["B"]) == 2
-    assert all(v > 1 for v in figures["method=bf"]["A"] + figures["method=bf"]["B"])
+    # bf's time over raw's of the same launch: a positive ratio (which side is faster is the
+    # host's load at the moment, not what this test checks)
+    assert all(0 < v < float("inf") for v in figures["method=bf"]["A"] + figures["method=bf"]["B"])
     assert "B lower in" in out
     assert _worktrees() == before
 
