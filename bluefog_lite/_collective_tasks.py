@@ -5,6 +5,7 @@ collectives (Turn)."""
 import torch
 
 from ._mpi import MPI
+from ._neighbor_tasks import mark_sends
 from ._stream import tensor_bytes
 from ._tasks import _HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exchange_headers
 from ._waits import Requests, Turn
@@ -71,6 +72,8 @@ def allreduce(eng, op, x, average, target):
 def broadcast(eng, op, x, root, target):
     views = yield from exchange_headers(eng, op, (root, _meta(x)))
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
+    if eng.rank == root:     # timeline: the data goes from the root to every other agent
+        mark_sends(op.name, (r for r in range(eng.size) if r != root))
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         if _writes_in_place(target):
             out = target

@@ -40,13 +40,13 @@ def _send_all(eng, op, key, x, send_plan, members=None):
         else:
             eng.send_tensor(op, dst, key, Outgoing(scaled(x, scale), members))
     if members is None:     # a fused group marks each member's row itself
-        _mark_sends(op.name, (dst for dst, _ in send_plan))
+        mark_sends(op.name, (dst for dst, _ in send_plan))
 
 
 _SEND_TO = {}    # tuple of destination ranks -> its "SEND_TO r1,r2" activity
 
 
-def _mark_sends(names, dsts):
+def mark_sends(names, dsts):
     """Timeline: an instant "SEND_TO r1,r2" on the row of each operation in names (a
     name or a list), the ranks the call sent to (bftimeline draws its send -> receive
     arrows from it). dsts may be a generator: nothing is built while the timeline is off."""
@@ -120,7 +120,7 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
     desc = list(zip(names, shapes, sizes))
     with _phase(names, "COMMUNICATE"):
         _send_all(eng, lead, None, flat, send_plan, desc)
-        _mark_sends(names, (dst for dst, _ in send_plan))
+        mark_sends(names, (dst for dst, _ in send_plan))
         entries = yield Recv([(src, name) for src in recv_from for name in names])
     try:
         k = len(names)
@@ -199,7 +199,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
         out = Outgoing(x, sent_by=op.kind)
         for dst in send_to:
             eng.send_tensor(op, dst, name, out)
-        _mark_sends(name, send_to)
+        mark_sends(name, send_to)
         entries = yield Recv([(src, name) for src in recv_from])
     try:
         trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
@@ -225,7 +225,7 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
         out = torch.empty_like(x)
     with _phase(name, "COMMUNICATE"):
         eng.send_tensor(op, target, name, Outgoing(x, sent_by=op.kind))
-        _mark_sends(name, [target])
+        mark_sends(name, [target])
         entries = yield Recv([(target, name)])
     try:
         _check_same(op, x, entries)

@@ -262,6 +262,20 @@ def test_merge_flows_follow_a_given_topology(tmp_path, capsys):
         assert by_op["g"] == {pair: 2 for pair in every_pair}, name     # a collective reaches everyone
 
 
+def test_broadcast_arrows_go_from_the_root_only(tmp_path, capsys):
+    """A broadcast's root marks the ranks it sends to: arrows root -> each other agent,
+    not between every pair (files without the mark keep every pair)."""
+    prefix = str(tmp_path / "tl_")
+    for r in range(3):
+        call = op_call("b", "BROADCAST", (1000, 2000), (1010, 1990), (1020, 1980))
+        marks = [("b", "communication", "SEND_TO 0,2", 1030)] if r == 1 else []
+        write_agent(f"{prefix}{r}.json", r, 3, call, instants=marks)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    arrows = {(u - 1, v - 1) for u, v, _, _ in check_flows(load_json(tmp_path / "m.json"))}
+    assert arrows == {(1, 0), (1, 2)}, arrows
+
+
 # ---- crashed agents ---------------------------------------------------------------------------
 
 def crashed_run(folder):

@@ -196,18 +196,27 @@ def _flow_lines(records, edges):
 
 def _pairs_of_call(present, key, k, kind, pairs):
     """The (sender, receiver) pairs of the k-th call: the ranks each agent recorded
-    sending to, where it did (neighbor operations), else the given pairs."""
+    sending to, where it did (neighbor operations; a broadcast's root), else the
+    given pairs."""
+    if kind == "BROADCAST":
+        marked = [(u, v) for u, recs in sorted(present.items()) for v in _sent(recs, key, k) or () if v in present]
+        return marked if marked else pairs       # (files that did not record the root)
     if kind in COLLECTIVE_KINDS:
         return pairs
     out = []
     for u, recs in sorted(present.items()):
-        dsts = recs.exchanges[key].dsts
-        sent = dsts[k] if k < len(dsts) else None
+        sent = _sent(recs, key, k)
         if sent is None:
             out.extend((a, b) for a, b in pairs if a == u)
         else:
             out.extend((u, v) for v in sent if v in present)
     return out
+
+
+def _sent(recs, key, k):
+    """The ranks an agent recorded sending to in the k-th call, or None."""
+    dsts = recs.exchanges[key].dsts
+    return dsts[k] if k < len(dsts) else None
 
 
 def _end_point(recs, tids, key, k, sending):
