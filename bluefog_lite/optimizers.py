@@ -63,8 +63,8 @@ class _AfterForward:
             return
         for name, p in self.own:
             if name not in wrapper._launched:
-                wrapper._launched.add(name)
                 self.launch(name, p)
+                wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
 
     def __deepcopy__(self, memo):
         return _Inert()
@@ -135,7 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
     _named_ops = True   # a parameter's operations run under its name (not WinPut's windows)
 
-    def __init__(self, optimizer, model, num_steps_per_communication=1):
+    def __init__(self, optimizer, model, num_steps_per_communication=1, name_prefix=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(num_steps_per_communication, bool) \
@@ -152,9 +152,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._named = _named_params(model, optimizer)
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]   # (checked per step)
         if self._named_ops:
+            if name_prefix is not None:      # another wrapped model may have parameters of the same names
+                if not isinstance(name_prefix, str) or not name_prefix:
+                    raise TypeError(f"name_prefix must be a non-empty string, got {name_prefix!r}")
+                self._prefix = name_prefix + "."
+                self._named = [(self._prefix + n, p) for n, p in self._named]
             for n, _ in self._named:
-                ops.check_name(n, "parameter name", "rename the parameter (the wrapper runs its communication "
-                               "under its name)")
+                ops.check_name(n, "parameter name", "rename the parameter or give the wrapper a name_prefix "
+                               "(the wrapper runs its communication under the name)")
         _check_not_wrapped(model)
         _wrapper_of[model] = weakref.ref(self)
         self._name_of = {id(p): n for n, p in self._named}
@@ -203,6 +208,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _communicating(self):
         """Steps k, 2k, ... communicate (k = num_steps_per_communication; 1-based)."""
         return (self._steps + 1) % self.num_steps_per_communication == 0
+
+    def _explain_shared_name(self, exc, name):
+        """An operation named after a parameter was refused (exc): if another wrapped
+        model has a parameter of that name, say so (both communicate under it)."""
+        for ref in list(_wrapper_of.values()):
+            other = ref()
+            if other is not None and other is not self and other._hooks and name in other._param_of:
+                raise ValueError(f"{exc}. The model of another {type(other).__name__} has a parameter "
+                                 f"named {name!r} too, and both wrappers communicate under that name: give "
+                                 "one of them a name_prefix (e.g. name_prefix='D')") from None
 
     def _check_no_pending(self, name):
         if name in self._handles:
@@ -314,11 +329,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 class _ParameterCommunicator(_DistributedOptimizer):
     """Common part of AWC and ATC: communicate a parameter with the chosen op."""
 
-    def __init__(self, optimizer, model, communication_type, num_steps_per_communication, backward=False):
+    def __init__(self, optimizer, model, communication_type, num_steps_per_communication, backward=False,
+                 name_prefix=None):
         """backward: parameters become ready in backward order (else forward order)."""
         if not isinstance(communication_type, CommunicationType):
             raise TypeError(f"communication_type must be a bf.CommunicationType, got {communication_type!r}")
-        super().__init__(optimizer, model, num_steps_per_communication)
+        super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self.communication_type = communication_type
         if communication_type is CommunicationType.allreduce:
             names = [n for n, _ in self._named]
@@ -336,17 +352,21 @@ class _ParameterCommunicator(_DistributedOptimizer):
         x = p.detach()
         if ct is CommunicationType.empty:
             return
-        if ct is CommunicationType.neighbor_allreduce:
-            h = ops.neighbor_allreduce_nonblocking(
-                x, self_weight=self.self_weight, src_weights=self.src_weights,
-                dst_weights=self.dst_weights, enable_topo_check=self.enable_topo_check, name=name)
-        elif ct is CommunicationType.hierarchical_neighbor_allreduce:
-            h = ops.hierarchical_neighbor_allreduce_nonblocking(
-                x, self_weight=self.self_weight, src_machine_weights=self.src_machine_weights,
-                dst_machine_weights=self.dst_machine_weights, enable_topo_check=self.enable_topo_check,
-                name=name)
-        else:
-            h = ops.allreduce_nonblocking(x, average=True, name=name)
+        try:
+            if ct is CommunicationType.neighbor_allreduce:
+                h = ops.neighbor_allreduce_nonblocking(
+                    x, self_weight=self.self_weight, src_weights=self.src_weights,
+                    dst_weights=self.dst_weights, enable_topo_check=self.enable_topo_check, name=name)
+            elif ct is CommunicationType.hierarchical_neighbor_allreduce:
+                h = ops.hierarchical_neighbor_allreduce_nonblocking(
+                    x, self_weight=self.self_weight, src_machine_weights=self.src_machine_weights,
+                    dst_machine_weights=self.dst_machine_weights, enable_topo_check=self.enable_topo_check,
+                    name=name)
+            else:
+                h = ops.allreduce_nonblocking(x, average=True, name=name)
+        except ValueError as exc:
+            self._explain_shared_name(exc, name)
+            raise
         self._handles[name] = (p, h)
 
     def _launch_rest(self):
@@ -367,8 +387,8 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
     communication right after its forward, overlapping the backward pass."""
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
-                 num_steps_per_communication=1):
-        super().__init__(optimizer, model, communication_type, num_steps_per_communication)
+                 num_steps_per_communication=1, name_prefix=None):
+        super().__init__(optimizer, model, communication_type, num_steps_per_communication, name_prefix=name_prefix)
         self._launch_after_forward(model, self._launch)
 
     def step(self, closure=None):
@@ -384,8 +404,9 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
     and its communication starts at once, overlapping the rest of backward."""
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
-                 num_steps_per_communication=1):
-        super().__init__(optimizer, model, communication_type, num_steps_per_communication, backward=True)
+                 num_steps_per_communication=1, name_prefix=None):
+        super().__init__(optimizer, model, communication_type, num_steps_per_communication, backward=True,
+                         name_prefix=name_prefix)
         self._local_step = step_function_for(optimizer)
         self._launched = set()
         self._updated = set()
@@ -449,8 +470,8 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
     Horovod. Where no agent had one (the average is exactly zero), the gradient
     stays None, so the wrapped optimizer skips the parameter as it would alone."""
 
-    def __init__(self, optimizer, model, num_steps_per_communication=1):
-        super().__init__(optimizer, model, num_steps_per_communication)
+    def __init__(self, optimizer, model, num_steps_per_communication=1, name_prefix=None):
+        super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._passes = {}
         self._filled = set()        # ids of parameters given a zero gradient this step
         self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass)
@@ -479,7 +500,12 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         if p.grad is None:          # unused on this agent this step
             p.grad = torch.zeros_like(p)
             self._filled.add(id(p))
-        self._handles[name] = (p, ops.allreduce_nonblocking(p.grad, average=True, name=name))
+        try:
+            h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
+        except ValueError as exc:
+            self._explain_shared_name(exc, name)
+            raise
+        self._handles[name] = (p, h)
 
     def _launch_rest(self):
         self._in_order.finish(self._param_of)

@@ -8,7 +8,8 @@
    the root), ATC's steps use the loaded hyper-parameters and later changes to
    param_groups (a learning-rate schedule), not the ones it was created with.
 3. A parameter unfrozen after wrapping is named by the next step (it would not be
-   communicated)."""
+   communicated).
+4. Two wrapped models whose parameters have the same names: name_prefix."""
 import numpy as np
 import torch
 
@@ -74,6 +75,44 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
     except RuntimeError as exc:
         assert "['0.weight', '0.bias']" in str(exc) and "wrap the optimizer again" in str(exc), exc
     opt.remove_hooks()
+
+# 4. Two wrapped models with parameters of the same names (a GAN's two nn.Sequential): with
+#    both forwards before the steps, the second refuses and says why; with a name_prefix on
+#    one of them both are averaged (lr 0: each parameter becomes W x0 after one step)
+def pair(prefix=None):
+    models = [torch.nn.Sequential(torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)) for _ in range(2)]
+    for k, m in enumerate(models):
+        with torch.no_grad():
+            m[0].weight.copy_(torch.from_numpy(x0[r] * (k + 1)).view(1, 2))
+    opts = [bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m,
+                                                    name_prefix=prefix if k else None)
+            for k, m in enumerate(models)]
+    return models, opts
+
+
+models, opts = pair()
+models[0](data).sum().backward()
+try:
+    models[1](data).sum().backward()
+    raise AssertionError("two wrappers communicating under one name went unnoticed")
+except ValueError as exc:
+    assert "another DistributedAdaptWithCombineOptimizer has a parameter named '0.weight'" in str(exc), exc
+    assert "name_prefix" in str(exc), exc
+opts[0].step()
+for o in opts:
+    o.synchronize()
+    o.remove_hooks()
+models, opts = pair("D")
+for m in models:
+    m.zero_grad()
+    m(data).sum().backward()
+for o in opts:
+    o.step()
+for k, m in enumerate(models):
+    want = (W.T @ (x0 * (k + 1)))[r]
+    assert np.allclose(m[0].weight.detach().numpy().ravel(), want, rtol=1e-12), (r, k, m[0].weight, want)
+for o in opts:
+    o.remove_hooks()
 
 bf.barrier()
 print(f"AGENT OK {r}", flush=True)
