@@ -118,67 +118,105 @@ def _install(model, prefix, auto):
             owner.setdefault(id(p), index)
         fwd = tuple(names[id(p)] for p in own)
         begins = []            # begin times of this module's forward calls in progress
-        handles.append(module.register_forward_pre_hook(_forward_begin(state, begins)))
-        handles.append(module.register_forward_hook(_forward_end(fwd, state, begins), always_call=True,
+        handles.append(module.register_forward_pre_hook(_ForwardBegin(state, begins)))
+        handles.append(module.register_forward_hook(_ForwardEnd(fwd, state, begins), always_call=True,
                                                      prepend=True))
-    handles.append(model.register_forward_hook(_pass_forward_end(state)))
+    handles.append(model.register_forward_hook(_PassForwardEnd(state)))
     for name, p in model.named_parameters():
         if p.requires_grad:
-            handles.append(p.register_hook(_gradient_ready(prefix + name, owner[id(p)], state)))
+            handles.append(p.register_hook(_GradientReady(prefix + name, owner[id(p)], state)))
     return TimelineHooks(handles, model, auto)
 
 
-def _forward_begin(state, begins):
-    def hook(module, args):
-        rec = _recorder.current
-        if rec is None:
+class CopiedInert:
+    """Base of hooks that a model carries for this process only: a copy of the model
+    (copy.deepcopy) or a pickled one (torch.save(model), then torch.load) gets an
+    _Inert hook in their place, which does nothing. (Closures would make the copy
+    record, or communicate, for the original; and they cannot be pickled.)"""
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        return _Inert()
+
+    def __reduce__(self):
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a copied or unpickled model has in place of a CopiedInert hook."""
+
+    def __call__(self, *args):
+        return None
+
+
+class _ForwardBegin(CopiedInert):
+    __slots__ = ("state", "begins")
+
+    def __init__(self, state, begins):
+        self.state, self.begins = state, begins
+
+    def __call__(self, module, args):
+        if _recorder.current is None:
             return
-        if state.begun:
-            state.begun.clear()    # a new pass began without the model's own hooks seeing it
-        begins.append(_now_ns())
-    return hook
+        if self.state.begun:
+            self.state.begun.clear()    # a new pass began without the model's own hooks seeing it
+        self.begins.append(_now_ns())
 
 
-def _forward_end(names, state, begins):
-    def hook(module, args, output):
+class _ForwardEnd(CopiedInert):
+    __slots__ = ("names", "state", "begins")
+
+    def __init__(self, names, state, begins):
+        self.names, self.state, self.begins = names, state, begins
+
+    def __call__(self, module, args, output):
+        begins = self.begins
         if not begins:             # its begin was not recorded
             return
         begin = begins.pop()       # (a module called inside its own forward nests)
         rec = _recorder.current
         if rec is None:
             return
-        state.last = rec.spans(names, "FORWARD", begin)
-    return hook
+        self.state.last = rec.spans(self.names, "FORWARD", begin)
 
 
-def _pass_forward_end(state):
-    def backward_starts(grad_outputs):
-        state.last = _now_ns()
-        state.begun.clear()
+class _PassForwardEnd(CopiedInert):
+    __slots__ = ("state",)
 
-    def hook(module, args, output):
+    def __init__(self, state):
+        self.state = state
+
+    def _backward_starts(self, grad_outputs):
+        self.state.last = _now_ns()
+        self.state.begun.clear()
+
+    def __call__(self, module, args, output):
         if _recorder.current is None:
             return
-        state.begun.clear()
+        self.state.begun.clear()
         node = _grad_node(output)
         if node is not None:
-            node.register_prehook(backward_starts)
-    return hook
+            node.register_prehook(self._backward_starts)
 
 
-def _gradient_ready(name, module_index, state):
-    def hook(grad):
+class _GradientReady(CopiedInert):
+    __slots__ = ("name", "module_index", "state")
+
+    def __init__(self, name, module_index, state):
+        self.name, self.module_index, self.state = name, module_index, state
+
+    def __call__(self, grad):
         rec = _recorder.current
         if rec is None:
             return
         now = _now_ns()
-        begin = state.begun.get(module_index)
+        state = self.state
+        begin = state.begun.get(self.module_index)
         if begin is None:
-            begin = state.begun[module_index] = state.last
+            begin = state.begun[self.module_index] = state.last
         state.last = now
         if begin:
-            rec.events.append(("X", (begin, now), name, "BACKWARD", _ident()))
-    return hook
+            rec.events.append(("X", (begin, now), self.name, "BACKWARD", _ident()))
 
 
 def _grad_node(output):

@@ -22,7 +22,7 @@ import torch
 from . import ops, windows
 from ._local_steps import register_step_function, step_function_for  # noqa: F401 (re-export)
 from ._runtime import state
-from .hooks import install_unless_present
+from .hooks import CopiedInert, install_unless_present
 from .timeline import _control as _timeline
 
 
@@ -47,11 +47,12 @@ def _named_params(model, optimizer):
     return named
 
 
-class _AfterForward:
+class _AfterForward(CopiedInert):
     """A module's forward hook: start the communication of its own parameters, once
     per communicating step. A copy of the module (copy.deepcopy of the model: a
     lookahead or "best so far" model) or a pickled one (torch.save(model)) gets a hook
-    that does nothing: it must not start the original parameters' communication."""
+    that does nothing (CopiedInert): it must not start the original parameters'
+    communication."""
     __slots__ = ("wrapper", "own", "launch")
 
     def __init__(self, wrapper, own, launch):
@@ -65,19 +66,6 @@ class _AfterForward:
             if name not in wrapper._launched:
                 self.launch(name, p)
                 wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
-
-    def __deepcopy__(self, memo):
-        return _Inert()
-
-    def __reduce__(self):
-        return (_Inert, ())
-
-
-class _Inert:
-    """What a copied or unpickled model has in place of an _AfterForward hook."""
-
-    def __call__(self, module, inputs, output):
-        return None
 
 
 class _InOrder:

@@ -304,3 +304,30 @@ def test_bfrun_timeline_filename_and_mark_cycles(tmp_path):
         assert t.meta["prefix"] == str(tmp_path / "tl_")
         assert t.activities("x", "communication").count("MPI_NEIGHBOR_ALLREDUCE") == 3
         assert any(i[2] == "CYCLE_START" for i in t.instants)
+
+
+def test_a_copied_or_saved_model_carries_inert_timeline_hooks(tmp_path):
+    """With FORWARD/BACKWARD hooks installed (as while a timeline records), torch.save(model)
+    works and copy.deepcopy(model) / torch.load give a model whose passes record nothing;
+    the original still records. (The hooks were closures: torch.save failed on them.)"""
+    import copy
+    import torch
+    from bluefog_lite import hooks
+    from bluefog_lite.timeline import _recorder
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    installed = hooks.timeline_install_hooks(model)
+    torch.save(model, tmp_path / "model.pt")
+    copies = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
+    rec, saved = _recorder.Recorder(), _recorder.current
+    _recorder.current = rec
+    try:
+        for other in copies:
+            other(torch.randn(4, 3)).sum().backward()
+        assert not rec.events, list(rec.events)[:4]
+        model(torch.randn(4, 3)).sum().backward()
+    finally:
+        _recorder.current = saved
+        installed.remove()
+    recorded = {(name, activity) for _, _, name, activity, _ in rec.events}
+    assert recorded == {(f"{i}.{kind}", act) for i in (0, 1) for kind in ("weight", "bias")
+                        for act in ("FORWARD", "BACKWARD")}, recorded
