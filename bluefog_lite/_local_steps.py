@@ -36,13 +36,13 @@ def sgd_step(p, grad, group, state):
 
 
 def adam_step(p, grad, group, state):
+    if group.get("amsgrad", False):      # (turned on after wrapping: refused before any state changes)
+        raise ValueError("the per-parameter Adam step does not implement amsgrad; "
+                         "register your own with bf.register_step_function")
     if not state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(p)
         state["exp_avg_sq"] = torch.zeros_like(p)
-    if group.get("amsgrad", False):      # (turned on after wrapping: refused before any state changes)
-        raise ValueError("the per-parameter Adam step does not implement amsgrad; "
-                         "register your own with bf.register_step_function")
     beta1, beta2 = group["betas"]
     state["step"] += 1
     t = float(state["step"])

@@ -15,6 +15,7 @@ operations, the inbox, the collective sequence).
 """
 import sys
 
+from ._mpi import MPI
 from ._waits import Recv, Requests, Sleep, Turn
 
 
@@ -146,8 +147,9 @@ class StallInspector:
                 if isinstance(op.wait, Requests):
                     # A posted MPI call still reads and writes its buffers (an in-place
                     # target included) until it completes: the task, whose frame holds
-                    # them, is kept with its requests until then (Engine.keep_sending)
-                    self.keep_sending([(r, op.task) for r in op.wait.reqs])
+                    # them, is kept until then (Engine.keep_sending), and closed by the
+                    # loop once they are done (its cleanup: window tickets, mutexes)
+                    self.keep_sending([(_KeptTask(op.wait.reqs, op.task), None)])
                 else:
                     op.task.close()
                 if isinstance(op.wait, Recv):
@@ -201,3 +203,21 @@ class StallInspector:
             self._discard[key] -= 1
             if self._discard[key] <= 0:
                 del self._discard[key]
+
+
+class _KeptTask:
+    """A timed-out task whose posted MPI requests are still running, kept in the
+    stream's failed sends (tested by the loop, which drops what passes): closed, on
+    the loop's thread, once every request is done."""
+    __slots__ = ("reqs", "task")
+
+    def __init__(self, reqs, task):
+        self.reqs, self.task = reqs, task
+
+    def Test(self):
+        if not MPI.Request.Testall(self.reqs):
+            return False
+        if self.task is not None:
+            task, self.task = self.task, None
+            task.close()
+        return True

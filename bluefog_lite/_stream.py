@@ -279,7 +279,7 @@ class StreamEndpoint:
         self.pending_recvs = []   # (request, entry)
         self.unposted = []        # LargeReceive: announced data the engine has not asked for yet
         self.sent_packets = []    # (request, packet) kept alive until sent
-        self.failed_sends = []    # (request, tensor): large sends of failed calls (Engine.keep_sending)
+        self.failed_sends = []    # (request, what it keeps alive): sends and calls of failed ops (Engine.keep_sending)
         self.arrived = []         # (src, key) of entries that became ready
         self.to_ring = set()      # peers sent something since the last ring (see _doorbell.py)
         self.urgent = set()       # ... among them, a large tensor's descriptor (rung even when idle)

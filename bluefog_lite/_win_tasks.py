@@ -379,8 +379,12 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
 def get(eng, op, win, src_weights, require_mutex, with_p):
     """Fetch src_weights[s] * (exposed copy of s) into my buffer for each s. With
     require_mutex, my own exposed copy is refreshed under my mutex (a neighbor's
-    win_get holding it reads the copy whole), the sources' read under theirs."""
-    mine = yield from _locked(eng, op, win, [win.rank], require_mutex)
+    win_get holding it reads the copy whole; not inside a win_mutex block that holds
+    other agents' mutexes), the sources' read under theirs."""
+    # (not while this agent holds other mutexes of the window, in a win_mutex block: an
+    # agent waiting in its own block for one of those may hold this agent's mutex)
+    alone = not (set(win.held) - {win.rank})
+    mine = yield from _locked(eng, op, win, [win.rank], require_mutex and alone)
     try:
         _publish(win)
     finally:

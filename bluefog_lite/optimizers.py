@@ -269,7 +269,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._in_order.new_round()
         self._steps += 1
         _timeline.step()
-        thawed = [n for n, p in self._frozen if p.grad is not None]
+        thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
         if thawed:
             raise RuntimeError(
                 f"parameters {thawed[:5]} of the model did not require gradients when {type(self).__name__} "

@@ -76,6 +76,16 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
         assert "['0.weight', '0.bias']" in str(exc) and "wrap the optimizer again" in str(exc), exc
     opt.remove_hooks()
 
+# ... but a parameter frozen after training, its old gradient left in place, is no alarm
+net = torch.nn.Sequential(torch.nn.Linear(2, 2, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64))
+net(data).sum().backward()                 # every parameter has a gradient now
+net[0].requires_grad_(False)
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(net[1].parameters(), lr=0.1), net)
+opt.zero_grad()
+net(data).sum().backward()
+opt.step()
+opt.remove_hooks()
+
 # 4. Two wrapped models with parameters of the same names (a GAN's two nn.Sequential): with
 #    both forwards before the steps, the second refuses and says why; with a name_prefix on
 #    one of them both are averaged (lr 0: each parameter becomes W x0 after one step)

@@ -111,6 +111,19 @@ else:
     bf.barrier()
     bf.barrier()
 bf.barrier()
+
+# -- (5) inside a win_mutex block that holds other agents' mutexes, win_get(require_mutex=True)
+#        does not wait for the agent's own: rank 1 holds rank 0's mutex, rank 0 holds rank 1's,
+#        and each gets (it waited for its own, held by the other: a deadlock) ----------------------
+if rank in (0, 1):
+    with bf.win_mutex("m", ranks=[1 - rank]):
+        bf.barrier()                               # both blocks are entered
+        bf.win_get("m", require_mutex=True)
+        bf.barrier()
+else:
+    bf.barrier()
+    bf.barrier()
+bf.barrier()
 bf.win_free("m")
 sys.stdout.write(f"AGENT OK {rank}\n")
 bf.shutdown()
