@@ -35,10 +35,14 @@ def sgd_step(p, grad, group, state):
     p.add_(grad, alpha=-group["lr"])
 
 
-def adam_step(p, grad, group, state):
-    if group.get("amsgrad", False):      # (turned on after wrapping: refused before any state changes)
+def _refuse_amsgrad(group):
+    if group.get("amsgrad", False):
         raise ValueError("the per-parameter Adam step does not implement amsgrad; "
                          "register your own with bf.register_step_function")
+
+
+def adam_step(p, grad, group, state):
+    _refuse_amsgrad(group)     # (turned on after wrapping: refused before any state changes)
     if not state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(p)
@@ -136,9 +140,9 @@ def step_function_for(optimizer):
     for cls in type(optimizer).__mro__:
         if cls in _STEPS:
             fn = _STEPS[cls]
-            if fn is adam_step and any(g.get("amsgrad", False) for g in optimizer.param_groups):
-                raise ValueError("the per-parameter Adam step does not implement amsgrad; "
-                                 "register your own with bf.register_step_function")
+            if fn is adam_step:
+                for group in optimizer.param_groups:
+                    _refuse_amsgrad(group)
             return fn
     raise TypeError(f"DistributedAdaptThenCombineOptimizer has no per-parameter step for "
                     f"{type(optimizer).__name__}; supported: {[c.__name__ for c in _STEPS]}. "

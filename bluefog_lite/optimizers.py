@@ -197,15 +197,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Steps k, 2k, ... communicate (k = num_steps_per_communication; 1-based)."""
         return (self._steps + 1) % self.num_steps_per_communication == 0
 
-    def _explain_shared_name(self, exc, name):
-        """An operation named after a parameter was refused (exc): if another wrapped
-        model has a parameter of that name, say so (both communicate under it)."""
-        for ref in list(_wrapper_of.values()):
-            other = ref()
-            if other is not None and other is not self and other._hooks and name in other._param_of:
-                raise ValueError(f"{exc}. The model of another {type(other).__name__} has a parameter "
-                                 f"named {name!r} too, and both wrappers communicate under that name: give "
-                                 "one of them a name_prefix (e.g. name_prefix='D')") from None
+    @contextlib.contextmanager
+    def _named_after(self, name):
+        """Around starting an operation named after a parameter: if it is refused because
+        another wrapped model has a parameter of that name, say so (both communicate
+        under it)."""
+        try:
+            yield
+        except ValueError as exc:
+            for ref in list(_wrapper_of.values()):
+                other = ref()
+                if other is not None and other is not self and other._hooks and name in other._param_of:
+                    raise ValueError(f"{exc}. The model of another {type(other).__name__} has a parameter "
+                                     f"named {name!r} too, and both wrappers communicate under that name: give "
+                                     "one of them a name_prefix (e.g. name_prefix='D')") from None
+            raise
 
     def _check_no_pending(self, name):
         if name in self._handles:
@@ -340,7 +346,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
         x = p.detach()
         if ct is CommunicationType.empty:
             return
-        try:
+        with self._named_after(name):
             if ct is CommunicationType.neighbor_allreduce:
                 h = ops.neighbor_allreduce_nonblocking(
                     x, self_weight=self.self_weight, src_weights=self.src_weights,
@@ -352,9 +358,6 @@ class _ParameterCommunicator(_DistributedOptimizer):
                     name=name)
             else:
                 h = ops.allreduce_nonblocking(x, average=True, name=name)
-        except ValueError as exc:
-            self._explain_shared_name(exc, name)
-            raise
         self._handles[name] = (p, h)
 
     def _launch_rest(self):
@@ -488,11 +491,8 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         if p.grad is None:          # unused on this agent this step
             p.grad = torch.zeros_like(p)
             self._filled.add(id(p))
-        try:
+        with self._named_after(name):
             h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
-        except ValueError as exc:
-            self._explain_shared_name(exc, name)
-            raise
         self._handles[name] = (p, h)
 
     def _launch_rest(self):

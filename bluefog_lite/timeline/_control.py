@@ -92,7 +92,8 @@ def _metadata(prefix, st, start_step, end_step):
     perf_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
     offset, rtt = _clock_sync if _clock_sync is not None else (0.0, None)
     return {
-        "run_id": _run[0], "run_started_s": _run[1], "rank": st.rank, "size": st.size, "local_rank": st.local_rank, "local_size": st.local_size,
+        "run_id": _run[0], "run_started_s": _run[1],
+        "rank": st.rank, "size": st.size, "local_rank": st.local_rank, "local_size": st.local_size,
         "machine_rank": st.machine_rank, "hostname": socket.gethostname(), "os_pid": os.getpid(),
         "prefix": prefix,
         "clock": "perf_counter", "ts_unit": "us",

@@ -36,8 +36,8 @@ def summarize(prefix, compute=()):
     """The summary of a run as a dict (what --json writes)."""
     for name in compute:
         if name in (COMMUNICATION, _OTHER) or name in PHASES or name.startswith(("MPI_", "ENQUEUE_")):
-            raise ValueError(f"--compute {name!r}: that is not a compute activity (communication phases and "
-                             f"the summary's own '{COMMUNICATION}' and '{_OTHER}' columns cannot be counted as compute)")
+            raise ValueError(f"--compute {name!r}: that is not a compute activity (communication phases and the "
+                             f"summary's own '{COMMUNICATION}' and '{_OTHER}' columns cannot be counted as compute)")
     compute = tuple(dict.fromkeys(COMPUTE + tuple(compute)))
     agents, arrivals = [], {}
     for agent in find_agents(prefix):
