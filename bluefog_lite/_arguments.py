@@ -8,6 +8,7 @@ import numbers
 import numpy as np
 import torch
 
+from ._devices import on_device, to_host
 from ._stream import plain
 
 REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -16,21 +17,35 @@ REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.
 _AVERAGEABLE = REDUCIBLE | {getattr(torch, u) for u in ("uint16", "uint32", "uint64") if hasattr(torch, u)}
 
 
-def _tensor(t, what="tensor"):
-    """The contiguous CPU tensor to send (a copy only if t is not contiguous or is a
-    lazily negated/conjugated view)."""
+def _dense(t, what="tensor"):
+    """t, if it is a dense tensor with data (on any device)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise TypeError(f"{what} is on device {t.device}; bluefog_lite operations take CPU tensors "
-                        "(move it with .cpu() first)")
+    if t.device.type == "meta":
+        raise TypeError(f"{what} is on the meta device (it has no data); pass a tensor with values")
     if t.is_nested:
         raise TypeError(f"{what} is a nested tensor; pass a dense tensor")
     if t.layout != torch.strided:
         raise TypeError(f"{what} is sparse; pass a dense tensor (layout {t.layout})")
     if t.is_quantized:
         raise TypeError(f"{what} is quantized ({t.dtype}); pass t.dequantize()")
-    return plain(t)
+    return t
+
+
+def _tensor(t, name, what="tensor"):
+    """The contiguous CPU tensor that operation name sends: t itself, or a copy if t
+    is not contiguous, is a lazily negated/conjugated view, or is on an accelerator
+    (see _devices.py)."""
+    _dense(t, what)
+    return to_host(t, name) if on_device(t) else plain(t)
+
+
+def _on_host(t, what="tensor"):
+    """t, if it is a dense CPU tensor (windows: their memory is MPI's)."""
+    if _dense(t, what).device.type != "cpu":
+        raise TypeError(f"{what} is on device {t.device}; windows take CPU tensors (their memory is "
+                        "exposed to the other agents through MPI): use a CPU copy")
+    return t
 
 
 def _flag(value, what):

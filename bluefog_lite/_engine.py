@@ -82,7 +82,7 @@ def _drain(iterator):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "caller_tid", "fuse", "riders", "inline", "reserved")
+                 "caller_tid", "fuse", "riders", "inline", "reserved", "deliver")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -101,6 +101,7 @@ class Op:
         self.caller_tid = _get_ident()
         self.inline = False    # submitted unannounced: its synchronize runs the loop (or rings)
         self.reserved = True   # its name is in Engine._names until synchronized
+        self.deliver = None    # result -> what synchronize returns (_devices.delivery)
 
     def is_done(self):
         return not self._pending.locked()
@@ -165,14 +166,16 @@ class Engine(CallerDrive, StallInspector):
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------
-    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True):
+    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True, deliver=None):
         """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
         ``fuse``: a _fusion.Fusable, if the op may run fused with others of the same key.
         ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
         loop is not rung now: synchronize runs the loop on the caller if it can.
         ``reserve``: the op's messages are keyed by its name, so no other reserving
         op may use the name until it is synchronized (window ops use MPI windows,
-        not named messages, and do not reserve)."""
+        not named messages, and do not reserve).
+        ``deliver``: run by synchronize on the result, on the synchronizing thread
+        (a device tensor's result goes back to its device: _devices.py)."""
         inline = inline and self.caller_progress and tl.current is None
         with self._lock:
             if self._stopping:
@@ -183,6 +186,7 @@ class Engine(CallerDrive, StallInspector):
             op = self._new_op(name, kind, fuse)
             op.inline = inline
             op.reserved = reserve
+            op.deliver = deliver
             op.task = task(self, op)
             if reserve:
                 self._names.add(name)
@@ -238,7 +242,7 @@ class Engine(CallerDrive, StallInspector):
                 self._names.discard(op.name)
         if op.error is not None:
             raise op.error
-        return op.result
+        return op.result if op.deliver is None else op.deliver(op.result)
 
     def has_pending(self):
         with self._lock:

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from . import _collective_tasks, _neighbor_tasks, _quick, _tasks
+from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
 from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
                          _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
@@ -54,12 +54,19 @@ def check_name(name, what="name", fix="choose another name"):
     return name
 
 
-def _submit(kind, name, make_task, fuse=None):
+def _submit(kind, name, make_task, fuse=None, deliver=None):
     """Enqueue under name, which the op resolved with _op_name before validating its
     arguments: a generated name is used up even by a call that then fails, so that
     generated names stay the same on every agent when an error on some agents is
-    caught and the program goes on."""
-    return state().engine.submit(name, kind, make_task, fuse, getattr(_caller, "blocking", False))
+    caught and the program goes on. deliver: see _devices.delivery."""
+    return state().engine.submit(name, kind, make_task, fuse, getattr(_caller, "blocking", False),
+                                 deliver=deliver)
+
+
+def _target(tensor, x):
+    """The tensor an in-place form's task writes its result into: tensor itself, or
+    for a tensor on an accelerator its host copy x (delivered to it at synchronize)."""
+    return x if _devices.on_device(tensor) else tensor.detach()
 
 
 def _blocking(nonblocking, *args, **kwargs):
@@ -103,7 +110,7 @@ def _finish_all(items, finish):
 
 # ---- collectives -------------------------------------------------------------------
 
-def _collective(kind, name, prepare):
+def _collective(kind, name, prepare, deliver=None):
     """Submit the collective whose task prepare() checks the arguments for and makes.
     With bad input (prepare raises TypeError or ValueError) this agent still takes
     part in the collective's negotiation, so that the other agents raise an error
@@ -115,7 +122,7 @@ def _collective(kind, name, prepare):
     except (TypeError, ValueError) as exc:
         error = exc     # (exc itself is unbound when the except clause ends)
         return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, error))
-    return _submit(kind, name, make_task)
+    return _submit(kind, name, make_task, deliver=deliver)
 
 
 class _Refused(Exception):
@@ -140,22 +147,24 @@ def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False):
     return _submit(kind, name, lambda e, op: _tasks.refused(e, op, exc, list(tell), list(forget)))
 
 
-def _local_allreduce(name, tensor, average, target=None):
+def _local_allreduce(name, tensor, average, in_place):
     """allreduce(is_hierarchical_local=True): not a global collective, only this
-    machine's agents wait. With bad input they are told (see _refuse). target: the
-    tensor to write the result into (allreduce_), which must be writable."""
+    machine's agents wait. With bad input they are told (see _refuse). in_place: the
+    result is written into tensor (allreduce_), which must be writable."""
     st = state()
     try:
         average = _flag(average, "average")
-        x = _reducible(_tensor(tensor), "ALLREDUCE")
-        if target is not None:
-            _writable(target, "allreduce_")
+        x = _reducible(_tensor(tensor, name), "ALLREDUCE")
+        if in_place:
+            _writable(tensor, "allreduce_")
     except (TypeError, ValueError) as exc:
         peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("ALLREDUCE", name, exc, peers, peers)
-    if target is None:
+    deliver = _devices.delivery(tensor, in_place, name)
+    if not in_place or deliver is not None:     # (a device tensor's own copy is x: written at synchronize)
         return _submit("ALLREDUCE", name, lambda e, op: _neighbor_tasks.local_allreduce(
-            e, op, x, st.local_ranks, average))
+            e, op, x, st.local_ranks, average), deliver=deliver)
+    target = tensor.detach()
 
     def task(e, op):
         out = yield from _neighbor_tasks.local_allreduce(e, op, x, st.local_ranks, average)
@@ -167,20 +176,20 @@ def _local_allreduce(name, tensor, average, target=None):
         e.stream.flush_all()
         if op.data_requests:
             yield Requests([r for r, _ in op.data_requests], "the sends of the input it overwrites")
-        return target.detach().copy_(out)
+        return target.copy_(out)
     return _submit("ALLREDUCE", name, task)
 
 
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
     if _flag(is_hierarchical_local, "is_hierarchical_local"):
-        return _local_allreduce(name, tensor, average)
+        return _local_allreduce(name, tensor, average, False)
 
     def prepare():
         avg = _flag(average, "average")
-        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        x = _reducible(_tensor(tensor, name), "ALLREDUCE")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
-    return _collective("ALLREDUCE", name, prepare)
+    return _collective("ALLREDUCE", name, prepare, _devices.delivery(tensor, False, name))
 
 
 def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -191,14 +200,14 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
     if _flag(is_hierarchical_local, "is_hierarchical_local"):
-        return _local_allreduce(name, tensor, average, target=tensor)
+        return _local_allreduce(name, tensor, average, True)
 
     def prepare():
         avg = _flag(average, "average")
-        x = _reducible(_tensor(tensor), "ALLREDUCE")
+        x = _reducible(_tensor(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
-        return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, tensor.detach())
-    return _collective("ALLREDUCE", name, prepare)
+        return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
+    return _collective("ALLREDUCE", name, prepare, _devices.delivery(tensor, True, name))
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -209,10 +218,10 @@ def broadcast_nonblocking(tensor, root_rank, name=None):
     name = _op_name(name, "BROADCAST")
 
     def prepare():
-        x = _tensor(tensor)
+        x = _tensor(tensor, name)
         root = _rank(root_rank, "root_rank", state().size)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, None)
-    return _collective("BROADCAST", name, prepare)
+    return _collective("BROADCAST", name, prepare, _devices.delivery(tensor, False, name))
 
 
 def broadcast(tensor, root_rank, name=None):
@@ -223,11 +232,11 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
     name = _op_name(name, "BROADCAST")
 
     def prepare():
-        x = _tensor(tensor)
+        x = _tensor(tensor, name)
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
-        return lambda e, op: _collective_tasks.broadcast(e, op, x, root, tensor.detach())
-    return _collective("BROADCAST", name, prepare)
+        return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
+    return _collective("BROADCAST", name, prepare, _devices.delivery(tensor, True, name))
 
 
 def broadcast_(tensor, root_rank, name=None):
@@ -238,11 +247,11 @@ def allgather_nonblocking(tensor, name=None):
     name = _op_name(name, "ALLGATHER")
 
     def prepare():
-        x = _tensor(tensor)
+        x = _tensor(tensor, name)
         if x.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
         return lambda e, op: _collective_tasks.allgather(e, op, x)
-    return _collective("ALLGATHER", name, prepare)
+    return _collective("ALLGATHER", name, prepare, _devices.delivery(tensor, False, name))
 
 
 def allgather(tensor, name=None):
@@ -300,22 +309,22 @@ def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weight
         call = _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name)
     except _Refused as refused:
         return synchronize(refused.handle)      # raises this agent's error
-    name, x, st, sw, srcw, plan, recv_from, check = call
+    name, x, st, sw, srcw, plan, recv_from, check, deliver = call
     if not check:     # a small tensor while the engine idles: see _quick.py
         result = _quick.neighbor_allreduce(st.engine, name, x, sw, srcw, plan, recv_from)
         if result is not None:
-            return result
+            return result if deliver is None else deliver(result)
     return _blocking(_submit_neighbor_allreduce, *call)
 
 
 def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enable_topo_check, name):
     """The validated arguments: (name, tensor, state, self_weight, src_weights,
-    send_plan, recv_from, check)."""
+    send_plan, recv_from, check, deliver)."""
     name = _op_name(name, "NEIGHBOR_ALLREDUCE")
     st = state()
     try:
         _flag(enable_topo_check, "enable_topo_check")
-        x = _numeric(_tensor(tensor), "neighbor_allreduce")
+        x = _numeric(_tensor(tensor, name), "neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
     except (TypeError, ValueError) as exc:
@@ -323,10 +332,11 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
             negotiate=bool(enable_topo_check) and dst_weights is not None)) from exc
-    return name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic
+    return (name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic,
+            _devices.delivery(tensor, False, name))
 
 
-def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check):
+def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check, deliver):
     fuse = None
     if not check:   # ops of one plan and dtype admitted together run as one (see _fusion.py)
         topo = st.topology
@@ -335,7 +345,7 @@ def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check):
         fuse = Fusable(key, x.numel() * x.element_size(), x, lambda e, lead, members: (
             _neighbor_tasks.neighbor_allreduce_fused(e, lead, members, sw, srcw, plan, recv_from)))
     return _submit("NEIGHBOR_ALLREDUCE", name, lambda e, op: _neighbor_tasks.neighbor_allreduce(
-        e, op, x, sw, srcw, plan, recv_from, check), fuse)
+        e, op, x, sw, srcw, plan, recv_from, check), fuse, deliver)
 
 
 def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True,
@@ -347,7 +357,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
     check = bool(enable_topo_check) and dynamic
     try:
         _flag(enable_topo_check, "enable_topo_check")
-        x = _tensor(tensor)
+        x = _tensor(tensor, name)
         if x.dim() == 0:
             raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
         if (src_ranks is None) != (dst_ranks is None):
@@ -362,7 +372,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
                        [(r, name) for r in recvs], negotiate=check)
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _neighbor_tasks.neighbor_allgather(
-        e, op, x, list(send_to), list(recv_from), check))
+        e, op, x, list(send_to), list(recv_from), check), deliver=_devices.delivery(tensor, False, name))
 
 
 def neighbor_allgather(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_check=True, name=None):
@@ -383,7 +393,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
     try:
         _flag(enable_topo_check, "enable_topo_check")
-        x = _numeric(_tensor(tensor), "hierarchical_neighbor_allreduce")
+        x = _numeric(_tensor(tensor, name), "hierarchical_neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(
             self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
             st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
@@ -401,7 +411,8 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
     check = bool(enable_topo_check) and dynamic
     return _submit("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name,
                    lambda e, op: _neighbor_tasks.hierarchical_neighbor_allreduce(
-                       e, op, x, st.local_ranks, sw, srcw, plan, recv_from, check))
+                       e, op, x, st.local_ranks, sw, srcw, plan, recv_from, check),
+                   deliver=_devices.delivery(tensor, False, name))
 
 
 def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_weights=None,
@@ -417,7 +428,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
     name = _op_name(name, "PAIR_GOSSIP")
     st = state()
     try:
-        x = _numeric(_tensor(tensor), "pair_gossip")
+        x = _numeric(_tensor(tensor, name), "pair_gossip")
         target = _rank(target_rank, "target_rank", st.size, st.rank)
         if (self_weight is None) != (pair_weight is None):
             raise ValueError("pair_gossip: self_weight and pair_weight must be given together (or neither)")
@@ -426,7 +437,8 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
     except (TypeError, ValueError) as exc:
         pair = [(r, name) for r in _ranks_named([target_rank], st.size, st.rank)]
         return _refuse("PAIR_GOSSIP", name, exc, pair, pair)
-    return _submit("PAIR_GOSSIP", name, lambda e, op: _neighbor_tasks.pair_gossip(e, op, x, target, sw, pw))
+    return _submit("PAIR_GOSSIP", name, lambda e, op: _neighbor_tasks.pair_gossip(e, op, x, target, sw, pw),
+                   deliver=_devices.delivery(tensor, False, name))
 
 
 def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=None):

@@ -70,7 +70,7 @@ def _agreed(call, params, root_rank=None, keep=lambda p: True):
             _arguments._rank(root_rank, "root_rank", st.size)
         items = [(n, p) for n, p in _named(params) if keep(p)]
         for n, p in items:       # what the in-place operations would refuse, before any runs
-            _arguments._tensor(p, f"parameter {n!r}")
+            _arguments._dense(p, f"parameter {n!r}")
             _arguments._writable(p, f"{call}: parameter {n!r}")
         return items, [(n, _tasks._meta(p)) for n, p in items]
     items, views = ops._negotiate(f"{call}.check", validated)

@@ -11,11 +11,10 @@ import contextlib
 import itertools
 import time
 
-import torch
-
 from . import _win_tasks
 from ._runtime import state
-from ._arguments import _flag, _overlaps, _rank, _tensor, _weight, _weight_dict, _writable
+from ._arguments import _flag, _on_host, _overlaps, _rank, _weight, _weight_dict, _writable
+from ._stream import plain
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
 _with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)
@@ -42,7 +41,7 @@ def _describe(dtype, shape):
 
 def _matching_tensor(tensor, win, what):
     """The contiguous tensor to send; it must be shaped and typed like the window."""
-    tensor = _tensor(tensor, f"{what}: tensor")     # a torch.Tensor, dense, on the CPU
+    tensor = plain(_on_host(tensor, f"{what}: tensor"))
     if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape:
         raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} does not match window "
                          f"{win.name!r} ({_describe(win.dtype, win.shape)}); pass a tensor of the window's "
@@ -71,10 +70,10 @@ def _create_problem(tensor, name, st, zero_init):
         return "TypeError", f"name must be a non-empty string, got {name!r}"
     if name in st.windows:
         return "ValueError", f"a window named {name!r} already exists (win_free it first)"
-    if not isinstance(tensor, torch.Tensor):
-        return "TypeError", f"tensor must be a torch.Tensor, got {type(tensor).__name__}"
-    if tensor.device.type != "cpu" or tensor.is_nested or tensor.layout != torch.strided:
-        return "TypeError", f"tensor must be a dense CPU tensor, got layout {tensor.layout} on {tensor.device}"
+    try:
+        _on_host(tensor)
+    except TypeError as exc:
+        return "TypeError", str(exc)
     if tensor.dtype not in _win_tasks.DTYPES:
         allowed = sorted(str(d).replace("torch.", "") for d in _win_tasks.DTYPES)
         return "TypeError", f"windows support dtypes {allowed}, got {str(tensor.dtype).replace('torch.', '')}"

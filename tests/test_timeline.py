@@ -155,6 +155,18 @@ def test_mpi_span_lies_within_its_enqueue_span(ops_traces):
                 assert e[3] <= m[3] and m[4] <= e[4], (tensor, e, m)
 
 
+def test_device_tensors_show_their_copies_around_the_operation(ops_traces):
+    """On the caller's thread, in the operation's row: COPY_TO_HOST before ENQUEUE_,
+    COPY_TO_DEVICE after the result was ready (at synchronize)."""
+    _, traces = ops_traces
+    for t in traces:
+        for tensor, kind in (("dev.nar", "NEIGHBOR_ALLREDUCE"), ("dev.ar", "ALLREDUCE")):
+            spans = sorted((s for s in t.spans if s[0] == tensor and s[1] == "main"), key=lambda s: s[3])
+            assert [s[2] for s in spans] == ["COPY_TO_HOST", f"ENQUEUE_{kind}", "COPY_TO_DEVICE"], (tensor, spans)
+            assert spans[0][4] <= spans[1][3] and spans[1][4] <= spans[2][3], spans
+            assert all(s[5] is None for s in spans), spans    # none inside another
+
+
 def test_user_activities_and_cycle_markers(ops_traces):
     _, traces = ops_traces
     for t in traces:

@@ -5,6 +5,7 @@ import torch
 
 import bluefog_lite as bf
 from bluefog_lite.timeline import _recorder
+from _devices import to_device
 
 bf.init()
 assert _recorder.current is not None, "BLUEFOG_TIMELINE is set: the timeline must be recording"
@@ -25,6 +26,12 @@ handles = [bf.neighbor_allreduce_nonblocking(x * i, name=f"nb.{i}") for i in ran
 handles.append(bf.allreduce_nonblocking(x, name="ar.nb"))
 for h in handles:
     bf.synchronize(h)
+
+# device tensors (a stand-in: tests/workers/_devices.py): copies on the caller's thread
+bf.neighbor_allreduce(to_device(x), name="dev.nar")
+y = to_device(x)
+h = bf.allreduce_nonblocking_(y, name="dev.ar")
+bf.synchronize(h)
 
 assert bf.timeline_start_activity("user", "LOAD_DATA") is True
 assert bf.timeline_end_activity("user") is True

@@ -1,0 +1,50 @@
+"""The device tensors of the device tests: real CUDA tensors (BF_TEST_DEVICE=cuda, on
+a machine with a GPU) or, by default, a stand-in that reports device cuda:0 while its
+memory is the host's (test machines have no GPU; bluefog_lite treats it as a device
+tensor: copied to the host at the call, the result copied back at synchronize)."""
+import os
+
+import torch
+
+
+class FakeCudaTensor(torch.Tensor):
+    """What a CUDA tensor looks like to bluefog_lite."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+REAL = os.environ.get("BF_TEST_DEVICE", "fake") == "cuda"
+if REAL:
+    assert torch.cuda.is_available(), "BF_TEST_DEVICE=cuda on a machine without CUDA"
+
+
+def to_device(t):
+    """A copy of host tensor t on the device (the stand-in keeps t's layout)."""
+    return t.to("cuda") if REAL else FakeCudaTensor(t.clone())
+
+
+def on_device(t):
+    """True when t is a device tensor (the stand-in's are its own class)."""
+    return t.is_cuda and (REAL or isinstance(t, FakeCudaTensor))
+
+
+def to_host(t):
+    """t's values in a host tensor (for numpy)."""
+    t = t.detach()
+    return t.cpu() if REAL else t.as_subclass(torch.Tensor)
+
+
+def model_to_device(model):
+    """model with its parameters on the device, in place."""
+    if REAL:
+        return model.to("cuda")
+    for module in model.modules():
+        for n, p in list(module.named_parameters(recurse=False)):
+            setattr(module, n, torch.nn.Parameter(FakeCudaTensor(p.detach().clone())))
+    return model

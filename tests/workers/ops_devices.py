@@ -1,0 +1,177 @@
+"""Operations, parameter helpers and optimizer wrappers on device tensors
+(tests/test_devices.py; _devices.py says which device). Every result is a tensor on
+the input's device equal to the numpy reference from the mixing matrix (or, for the
+optimizers, to the same training of a host copy of the model); in-place forms write
+the device tensor itself; inputs are left untouched."""
+import copy
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+from _devices import REAL, model_to_device, on_device, to_device, to_host
+from _reference import uniform_mixing
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+G = topo.ExponentialGraph(size)
+assert bf.set_topology(G)
+M = uniform_mixing(G)       # one neighbor_allreduce: x -> M @ x
+
+
+def data(r, shape=(5, 3), dtype=np.float32):
+    return np.random.default_rng(100 + r).normal(size=shape).astype(dtype)
+
+
+def dev(r, shape=(5, 3), dtype=np.float32):
+    return to_device(torch.from_numpy(data(r, shape, dtype)))
+
+
+def mixed(seed, shape=(5, 3), dtype=np.float32):
+    """This agent's reference neighbor average of every agent's data(i + seed)."""
+    return sum(M[rank, i] * data(i + seed, shape, dtype).astype(np.float64) for i in range(size))
+
+
+def check(what, y, want, tol=1e-5):
+    assert isinstance(y, torch.Tensor) and on_device(y), f"{what}: result on {y.device} ({type(y).__name__})"
+    got = to_host(y).numpy()
+    assert got.shape == np.shape(want), f"{what}: shape {got.shape} != {np.shape(want)}"
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
+
+
+# -- neighbor_allreduce: small blocking (the caller's quick path), untouched input -----------
+x = dev(rank)
+before = to_host(x).clone()
+check("small", bf.neighbor_allreduce(x, name="nar.small"), mixed(0))
+assert torch.equal(to_host(x), before), "the input changed"
+
+# -- several in flight (fused small ones and a 4 MB one), synchronized in reverse order -------
+shapes = [(1 << 20,), (7,), (3, 4), (1000,), (2, 2)]
+handles = [bf.neighbor_allreduce_nonblocking(dev(rank + 10 * k, s), name=f"nar.{k}")
+           for k, s in enumerate(shapes)]
+for k in reversed(range(len(shapes))):
+    check(f"in flight {shapes[k]}", bf.synchronize(handles[k]), mixed(10 * k, shapes[k]))
+
+# -- dynamic one-peer Exp-2, explicit weights --------------------------------------------------
+gens = [topo.GetDynamicOnePeerSendRecvRanks(topo.ExponentialTwoGraph(size), r) for r in range(size)]
+for step in range(3):
+    send, recv = [next(g) for g in gens][rank]
+    y = bf.neighbor_allreduce(dev(rank), self_weight=0.5, src_weights={r: 0.5 for r in recv},
+                              dst_weights=send, name="nar.dynamic")
+    check(f"dynamic step {step}", y, 0.5 * data(rank) + sum(0.5 * data(r) for r in recv))
+
+# -- a transposed (non-contiguous) device tensor, one that requires grad, float64 -------------
+xt = dev(rank, (3, 5)).t()
+assert not xt.is_contiguous()
+check("transposed", bf.neighbor_allreduce(xt, name="nar.t"), sum(M[rank, i] * data(i, (3, 5)).T
+                                                                 for i in range(size)))
+p = dev(rank).requires_grad_()
+check("requires_grad", bf.neighbor_allreduce(p, name="nar.grad"), mixed(0))
+check("float64", bf.neighbor_allreduce(dev(rank, dtype=np.float64), name="nar.f64"), mixed(0, dtype=np.float64),
+      1e-12)
+
+# -- collectives: out of place, in place (the device tensor itself is written) -----------------
+everyone = np.mean([data(r).astype(np.float64) for r in range(size)], axis=0)
+check("allreduce", bf.allreduce(dev(rank)), everyone)
+ints = to_device(torch.arange(6, dtype=torch.int64) * (rank + 1))
+check("allreduce int sum", bf.allreduce(ints, average=False), np.arange(6) * sum(range(1, size + 1)), 0)
+x = dev(rank)
+ptr = x.data_ptr()
+out = bf.allreduce_(x)
+check("allreduce_ (the tensor)", x, everyone)
+assert out.data_ptr() == ptr and on_device(out), "allreduce_ must return the tensor it wrote"
+x = dev(rank)
+bf.synchronize(bf.allreduce_nonblocking_(x, is_hierarchical_local=True))
+check("local allreduce_ (one host: every agent)", x, everyone)
+check("local allreduce", bf.allreduce(dev(rank), is_hierarchical_local=True), everyone)
+check("broadcast", bf.broadcast(dev(rank), 1), data(1))
+x = dev(rank)
+bf.broadcast_(x, 2 % size)
+check("broadcast_ (the tensor)", x, data(2 % size))
+check("allgather", bf.allgather(dev(rank, (rank + 1, 2))), np.concatenate([data(r, (r + 1, 2))
+                                                                           for r in range(size)]))
+check("neighbor_allgather", bf.neighbor_allgather(dev(rank, (2, 3))),
+      np.concatenate([data(r, (2, 3)) for r in bf.in_neighbor_ranks()]))
+if size % 2 == 0:
+    check("pair_gossip", bf.pair_gossip(dev(rank), rank ^ 1), 0.5 * data(rank) + 0.5 * data(rank ^ 1))
+check("hierarchical (one machine: the mean)", bf.hierarchical_neighbor_allreduce(dev(rank)), everyone)
+
+# -- parameter helpers on a model on the device ---------------------------------------------
+def linear(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+model = model_to_device(linear(rank))
+bf.broadcast_parameters(model.state_dict(), root_rank=0)
+for (name, t), root in zip(model.state_dict().items(), linear(0).state_dict().values()):
+    check(f"broadcast_parameters {name}", t, root.numpy(), 0)
+with torch.no_grad():
+    for t in model.parameters():
+        t.add_(rank)
+mean_before = [to_host(t).clone() + (size - 1) / 2 - rank for t in model.parameters()]
+bf.allreduce_parameters(model.state_dict())
+for t, w in zip(model.parameters(), mean_before):
+    check("allreduce_parameters", t, w.numpy())
+
+
+# -- optimizer wrappers: a device model trains exactly as its host copy does ------------------
+def train(make_wrapper, base, steps=4):
+    torch.manual_seed(7)
+    host_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).double()
+    dev_model = model_to_device(copy.deepcopy(host_model))
+    g = np.random.default_rng(rank)
+    A, b = torch.from_numpy(g.normal(size=(16, 4))), torch.from_numpy(g.normal(size=(16, 1)))
+    runs = []
+    for prefix, m, (inputs, targets) in (("host.", host_model, (A, b)),
+                                         ("dev.", dev_model, (to_device(A), to_device(b)))):
+        runs.append((m, make_wrapper(base(m.parameters()), m, prefix), inputs, targets))
+    for _ in range(steps):
+        for m, opt, inputs, targets in runs:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(inputs), targets).backward()
+            opt.step()
+    for (n, hp), dp in zip(host_model.named_parameters(), dev_model.parameters()):
+        check(f"{make_wrapper.__name__} {n}", dp, hp.detach().numpy(), 1e-9)
+    for _, opt, _, _ in runs:
+        opt.remove_hooks()
+    return runs
+
+
+def awc(opt, m, prefix):
+    return bf.DistributedAdaptWithCombineOptimizer(opt, m, name_prefix=prefix)
+
+
+def atc(opt, m, prefix):
+    return bf.DistributedAdaptThenCombineOptimizer(opt, m, name_prefix=prefix)
+
+
+def gradient_allreduce(opt, m, prefix):
+    return bf.DistributedGradientAllreduceOptimizer(opt, m, name_prefix=prefix)
+
+
+for wrap in (awc, atc, gradient_allreduce):
+    train(wrap, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5))
+runs = train(awc, lambda ps: torch.optim.Adam(ps, lr=0.01))
+try:
+    bf.DistributedWinPutOptimizer(torch.optim.SGD(runs[1][0].parameters(), lr=0.1), runs[1][0])
+    raise AssertionError("the win_put wrapper took a model on the device")
+except TypeError as exc:
+    assert "on device cuda:0" in str(exc) and "windows take CPU tensors" in str(exc), exc
+if REAL:   # (torch's load_state_dict moves the state to the parameters' device: the stand-in has none)
+    dev_opt = runs[1][1]
+
+    def every_agents_state():
+        flat = torch.cat([s["exp_avg"].reshape(-1) for s in dev_opt.optimizer.state.values()])
+        return to_host(bf.allgather(flat[None]))
+    assert not torch.equal(every_agents_state()[0], every_agents_state()[1]), "the agents trained alike"
+    bf.broadcast_optimizer_state(dev_opt, root_rank=0)
+    for state in dev_opt.optimizer.state.values():
+        assert on_device(state["exp_avg"]), "broadcast_optimizer_state moved the state off the device"
+    states = every_agents_state()
+    assert all(torch.equal(states[0], states[r]) for r in range(size)), "broadcast_optimizer_state"
+
+print(f"DEVICE {'cuda' if REAL else 'stand-in'}")
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
