@@ -40,14 +40,6 @@ def _tensor(t, name, what="tensor"):
     return to_host(t, name) if on_device(t) else plain(t)
 
 
-def _on_host(t, what="tensor"):
-    """t, if it is a dense CPU tensor (windows: their memory is MPI's)."""
-    if _dense(t, what).device.type != "cpu":
-        raise TypeError(f"{what} is on device {t.device}; windows take CPU tensors (their memory is "
-                        "exposed to the other agents through MPI): use a CPU copy")
-    return t
-
-
 def _flag(value, what):
     """value as a bool; a flag given anything but True or False (or a numpy bool) is
     refused instead of being read by its truth value (average=None would sum)."""

@@ -84,8 +84,11 @@ class Window:
     """One window as both threads see it. Fixed at creation: the tensor, its
     shape/dtype, the topology (neighbors, default weights, everyone's in-degree)."""
 
-    def __init__(self, name, tensor, topology, rank, size):
+    def __init__(self, name, tensor, topology, rank, size, device_tensor=None):
         self.name, self.tensor, self.rank = name, tensor, rank
+        # a window of a tensor on an accelerator: tensor is a host copy of it, replaced
+        # by a fresh copy (taken at the call) by each win_get and win_update
+        self.device_tensor = device_tensor
         self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
         self.stored = STORED_AS.get(tensor.dtype, tensor.dtype)    # the buffers' dtype
         self.nbytes = tensor.numel() * self.stored.itemsize
@@ -366,21 +369,28 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     finally:
         release(win, locked)
     if self_weight is not None:
-        t = user_tensor.detach()
-        if t.is_floating_point() or t.is_complex():
-            t.mul_(self_weight)
-        else:
-            t.copy_(scaled(t, self_weight))
+        if user_tensor is not None:     # (None: a device tensor, scaled by its caller)
+            scale_in_place(user_tensor.detach(), self_weight)
         if with_p:
             win.p[0] *= self_weight
     return True
 
 
-def get(eng, op, win, src_weights, require_mutex, with_p):
+def scale_in_place(t, w):
+    """t *= w (an integer tensor rounded, as the weighted sums are)."""
+    if t.is_floating_point() or t.is_complex():
+        t.mul_(w)
+    else:
+        t.copy_(scaled(t, w))
+
+
+def get(eng, op, win, src_weights, require_mutex, with_p, current=None):
     """Fetch src_weights[s] * (exposed copy of s) into my buffer for each s. With
     require_mutex, my own exposed copy is refreshed under my mutex (a neighbor's
     win_get holding it reads the copy whole; not inside a win_mutex block that holds
-    other agents' mutexes), the sources' read under theirs."""
+    other agents' mutexes), the sources' read under theirs. current: see Window."""
+    if current is not None:
+        win.tensor = current
     # (not while this agent holds other mutexes of the window, in a win_mutex block: an
     # agent waiting in its own block for one of those may hold this agent's mutex)
     alone = not (set(win.held) - {win.rank})
@@ -410,8 +420,11 @@ def get(eng, op, win, src_weights, require_mutex, with_p):
     return True
 
 
-def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, with_p):
-    """self <- self_weight * self + sum_j w_j * buffer_j (and the same for p)."""
+def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, with_p, current=None):
+    """self <- self_weight * self + sum_j w_j * buffer_j (and the same for p).
+    current: see Window."""
+    if current is not None:
+        win.tensor = current
     locked = yield from _locked(eng, op, win, [win.rank], require_mutex)
     try:
         with _phase(op.name, "WIN_SYNC_COMPUTE_AVERAGE"):

@@ -11,9 +11,9 @@ import contextlib
 import itertools
 import time
 
-from . import _win_tasks
+from . import _devices, _win_tasks
 from ._runtime import state
-from ._arguments import _flag, _on_host, _overlaps, _rank, _weight, _weight_dict, _writable
+from ._arguments import _dense, _flag, _overlaps, _rank, _weight, _weight_dict, _writable
 from ._stream import plain
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
@@ -40,13 +40,22 @@ def _describe(dtype, shape):
 
 
 def _matching_tensor(tensor, win, what):
-    """The contiguous tensor to send; it must be shaped and typed like the window."""
-    tensor = plain(_on_host(tensor, f"{what}: tensor"))
+    """The contiguous host tensor to send (a device tensor's host copy); it must be
+    shaped and typed like the window."""
+    _dense(tensor, f"{what}: tensor")
     if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape:
         raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} does not match window "
                          f"{win.name!r} ({_describe(win.dtype, win.shape)}); pass a tensor of the window's "
                          "shape and dtype")
-    return tensor
+    return _devices.to_host(tensor, win.name) if _devices.on_device(tensor) else plain(tensor)
+
+
+def _current(win):
+    """For a window of a device tensor, a host copy of that tensor as it is now (the
+    value that win_update combines and win_get exposes), else None."""
+    if win.device_tensor is None:
+        return None
+    return _devices.to_host(win.device_tensor, win.name)
 
 
 def _neighbor_weights(weights, allowed, what, direction, st, win):
@@ -71,7 +80,7 @@ def _create_problem(tensor, name, st, zero_init):
     if name in st.windows:
         return "ValueError", f"a window named {name!r} already exists (win_free it first)"
     try:
-        _on_host(tensor)
+        _dense(tensor)
     except TypeError as exc:
         return "TypeError", str(exc)
     if tensor.dtype not in _win_tasks.DTYPES:
@@ -145,7 +154,8 @@ def win_create(tensor, name, zero_init=False):
     """Create window ``name`` from ``tensor`` (collective: every agent calls it with a
     tensor of the same shape and dtype). Each agent gets one buffer per in-neighbor,
     a copy of that neighbor's tensor (zeros with zero_init). The window keeps
-    ``tensor`` itself: win_update writes into it. The topology is frozen until the
+    ``tensor`` itself: win_update writes into it (a tensor on a GPU too: the window
+    works on host copies of it, see docs/windows.md). The topology is frozen until the
     window is freed. Bad input on any agent raises the same error on all of them."""
     global _poke_before
     st = state()
@@ -153,7 +163,9 @@ def win_create(tensor, name, zero_init=False):
     problem = _create_problem(tensor, name, st, zero_init)
     win = meta = None
     if problem is None:
-        win = _win_tasks.Window(name, tensor, st.topology, st.rank, st.size)
+        on_device = _devices.on_device(tensor)
+        win = _win_tasks.Window(name, _devices.to_host(tensor, name) if on_device else tensor, st.topology,
+                                st.rank, st.size, device_tensor=tensor if on_device else None)
         meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
     h = eng.submit("win_create", "WIN_CREATE", lambda eng, op: _win_tasks.create(
         eng, op, win, problem, meta, bool(zero_init)))     # (checked: problem names a bad one)
@@ -225,8 +237,12 @@ def _put(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking):
         _writable(tensor, f"{what} with self_weight")
     mutex = _flag(require_mutex, f"{what}: require_mutex")
     accumulate, with_p = kind == "WIN_ACCUMULATE", _with_p
-    return _submit(win, kind, lambda eng, op: _win_tasks.put(
-        eng, op, win, tensor, x, dstw, sw, mutex, accumulate, with_p), blocking)
+    on_device = _devices.on_device(tensor)
+    h = _submit(win, kind, lambda eng, op: _win_tasks.put(
+        eng, op, win, None if on_device else tensor, x, dstw, sw, mutex, accumulate, with_p), blocking)
+    if on_device and sw is not None:    # x, the copy sent, is made: the tensor itself is scaled now
+        _win_tasks.scale_in_place(tensor.detach(), sw)
+    return h
 
 
 def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -265,7 +281,9 @@ def _get(name, src_weights, require_mutex, blocking):
     else:
         srcw = _neighbor_weights(src_weights, win.in_ranks, "win_get: src_weights", "in", st, win)
     mutex, with_p = _flag(require_mutex, "win_get: require_mutex"), _with_p
-    return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(eng, op, win, srcw, mutex, with_p), blocking)
+    current = _current(win)
+    return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(eng, op, win, srcw, mutex, with_p, current),
+                   blocking)
 
 
 def win_get(name, src_weights=None, require_mutex=False):
@@ -291,9 +309,13 @@ def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone
                                 st, win)
     flags = (_flag(reset, "win_update: reset"), _flag(clone, "win_update: clone"),
              _flag(require_mutex, "win_update: require_mutex"))
-    with_p = _with_p
-    return win_wait(_submit(win, "WIN_UPDATE", lambda eng, op: _win_tasks.update(
-        eng, op, win, sw, nbw, *flags, with_p), True))
+    with_p, current = _with_p, _current(win)
+    out = win_wait(_submit(win, "WIN_UPDATE", lambda eng, op: _win_tasks.update(
+        eng, op, win, sw, nbw, *flags, with_p, current), True))
+    if win.device_tensor is None:
+        return out
+    clone = flags[1]
+    return _devices.delivery(win.device_tensor, not clone, win.name)(out)
 
 
 def win_update_then_collect(name, require_mutex=True):

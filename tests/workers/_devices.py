@@ -35,9 +35,9 @@ def on_device(t):
 
 
 def to_host(t):
-    """t's values in a host tensor (for numpy)."""
+    """A host copy of t's values (for numpy)."""
     t = t.detach()
-    return t.cpu() if REAL else t.as_subclass(torch.Tensor)
+    return (t.cpu() if REAL else t.as_subclass(torch.Tensor)).clone()
 
 
 def model_to_device(model):
