@@ -35,11 +35,12 @@ def delivery(t, in_place, name):
     t, detached, as the host form does) or as a new tensor there."""
     if not on_device(t):
         return None
-    target = t.detach() if in_place else None
+    # (out of place: an empty tensor like t, so as not to keep the input alive)
+    target = t.detach() if in_place else t.new_empty(0)
 
     def deliver(host):
         with _phase(name, "COPY_TO_DEVICE"):
-            out = target if in_place else t.new_empty(host.shape, dtype=host.dtype)   # (on t's device)
+            out = target if in_place else target.new_empty(host.shape, dtype=host.dtype)   # (on t's device)
             out.copy_(host)
         return out
     return deliver

@@ -1,7 +1,7 @@
 """Model and optimizer helpers: broadcast or average all parameters, share optimizer state."""
 import torch
 
-from . import _arguments, _tasks, ops
+from . import _arguments, _devices, _tasks, ops
 from ._runtime import state
 
 
@@ -113,6 +113,19 @@ def allreduce_parameters(params):
                      for name, p in items], ops.synchronize)
 
 
+def _host_copies(state):
+    """A state_dict with host copies of its device tensors, taken on the caller's thread
+    (the communication thread pickles it; load_state_dict moves the state to the
+    parameters' devices)."""
+    if isinstance(state, torch.Tensor):
+        return _devices.to_host(state, "broadcast.optimizer_state") if _devices.on_device(state) else state
+    if isinstance(state, dict):
+        return {k: _host_copies(v) for k, v in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(_host_copies(v) for v in state)
+    return state
+
+
 def broadcast_optimizer_state(optimizer, root_rank):
     """Give every agent root_rank's optimizer state (state and hyper-parameters)."""
     st = state()
@@ -122,7 +135,7 @@ def broadcast_optimizer_state(optimizer, root_rank):
         if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
             raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
         kind = type(getattr(optimizer, "optimizer", optimizer)).__name__   # a wrapper's inner one
-        return root, (kind, optimizer.state_dict() if st.rank == root else None)
+        return root, (kind, _host_copies(optimizer.state_dict()) if st.rank == root else None)
     root, views = ops._negotiate("broadcast.optimizer_state", validated)
     kinds = {r: kind for r, (kind, _) in enumerate(views)}
     if len(set(kinds.values())) > 1:

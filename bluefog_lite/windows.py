@@ -13,8 +13,7 @@ import time
 
 from . import _devices, _win_tasks
 from ._runtime import state
-from ._arguments import _dense, _flag, _overlaps, _rank, _weight, _weight_dict, _writable
-from ._stream import plain
+from ._arguments import _dense, _flag, _overlaps, _rank, _tensor, _weight, _weight_dict, _writable
 
 _WINDOW_POKE_S = 0.001      # idle MPI progress poke while windows span hosts (docs/windows.md)
 _with_p = False             # push-sum weight carried with window ops (turn_on_win_ops_with_associated_p)
@@ -39,23 +38,40 @@ def _describe(dtype, shape):
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
 
-def _matching_tensor(tensor, win, what):
-    """The contiguous host tensor to send (a device tensor's host copy); it must be
-    shaped and typed like the window."""
+def _check_matching(tensor, win, what):
+    """Raise unless tensor is a dense tensor shaped and typed like the window."""
     _dense(tensor, f"{what}: tensor")
     if tensor.dtype != win.dtype or tuple(tensor.shape) != win.shape:
         raise ValueError(f"{what}: tensor {_describe(tensor.dtype, tensor.shape)} does not match window "
                          f"{win.name!r} ({_describe(win.dtype, win.shape)}); pass a tensor of the window's "
                          "shape and dtype")
-    return _devices.to_host(tensor, win.name) if _devices.on_device(tensor) else plain(tensor)
 
 
-def _current(win):
+def _current(win, op_name):
     """For a window of a device tensor, a host copy of that tensor as it is now (the
     value that win_update combines and win_get exposes), else None."""
+    return None if win.device_tensor is None else _tensor(win.device_tensor, op_name)
+
+
+def _written_back(win, clone, op_name):
+    """win_update's deliver step (see _devices.delivery) for a window of a device
+    tensor: the result written into that tensor, which is returned (as a host window
+    returns its tensor), or with clone a new tensor on its device."""
     if win.device_tensor is None:
         return None
-    return _devices.to_host(win.device_tensor, win.name)
+    if clone:
+        return _devices.delivery(win.device_tensor, False, op_name)
+    into = _devices.delivery(win.device_tensor, True, op_name)
+
+    def deliver(host):
+        into(host)
+        return win.device_tensor
+    return deliver
+
+
+def _no_copy(make_task):
+    """The prepare step (see _submit) of an op that copies no tensor."""
+    return lambda op_name: (make_task, None)
 
 
 def _neighbor_weights(weights, allowed, what, direction, st, win):
@@ -117,23 +133,26 @@ def _running(eng, handles):
     return out
 
 
-def _submit(win, kind, make_task, blocking=False):
+def _submit(win, kind, prepare, blocking=False):
     """Enqueue a window op under the window's name, or a numbered variant while
     other ops of the window are unsynchronized (so that each has its own name in
     warnings and the timeline). Window ops do not reserve their name in the engine
     (no named messages): a neighbor op may share it. Ops of one window run in the
-    order they were issued. ``blocking``: the caller waits for it at once, so it
-    may run the loop itself (Engine.submit's ``inline``) instead of waking the
-    communication thread."""
+    order they were issued. ``prepare(op_name)`` -> (make_task, deliver) runs once
+    the name is chosen: the host copy of a device tensor it takes is recorded in the
+    op's own timeline row; deliver: see _devices.delivery. ``blocking``: the caller
+    waits for it at once, so it may run the loop itself (Engine.submit's
+    ``inline``) instead of waking the communication thread."""
     eng = state().engine
     with win.submitting:     # (callers on several threads: one name each, no handle lost)
         win.handles = _unsynchronized(eng, win.handles)
         used = {n for _, n in win.handles}
         op_name = next(n for n in (f"{win.name}#{k}" if k else win.name for k in itertools.count())
                        if n not in used)
+        make_task, deliver = prepare(op_name)
         # The engine builds the task under its queue lock: tickets follow queue order.
         h = eng.submit(op_name, kind, lambda eng, op: _win_tasks.in_order(
-            win, win.take_ticket(), make_task(eng, op)), inline=blocking, reserve=False)
+            win, win.take_ticket(), make_task(eng, op)), inline=blocking, reserve=False, deliver=deliver)
         win.handles.append((h, op_name))
     return h
 
@@ -227,7 +246,7 @@ def _put(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking):
     """Enqueue a WIN_PUT or WIN_ACCUMULATE; returns its handle."""
     what = kind.lower()
     st, win = _window(name, what)
-    x = _matching_tensor(tensor, win, what)
+    _check_matching(tensor, win, what)
     if dst_weights is None:
         dstw = {r: 1.0 for r in win.out_ranks}
     else:
@@ -238,11 +257,14 @@ def _put(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking):
     mutex = _flag(require_mutex, f"{what}: require_mutex")
     accumulate, with_p = kind == "WIN_ACCUMULATE", _with_p
     on_device = _devices.on_device(tensor)
-    h = _submit(win, kind, lambda eng, op: _win_tasks.put(
-        eng, op, win, None if on_device else tensor, x, dstw, sw, mutex, accumulate, with_p), blocking)
-    if on_device and sw is not None:    # x, the copy sent, is made: the tensor itself is scaled now
-        _win_tasks.scale_in_place(tensor.detach(), sw)
-    return h
+
+    def prepare(op_name):
+        x = _tensor(tensor, op_name, f"{what}: tensor")
+        if on_device and sw is not None:    # x, the copy sent, is made: the tensor itself is scaled now
+            _win_tasks.scale_in_place(tensor.detach(), sw)
+        return (lambda eng, op: _win_tasks.put(eng, op, win, None if on_device else tensor, x, dstw, sw, mutex,
+                                               accumulate, with_p)), None
+    return _submit(win, kind, prepare, blocking)
 
 
 def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -281,9 +303,11 @@ def _get(name, src_weights, require_mutex, blocking):
     else:
         srcw = _neighbor_weights(src_weights, win.in_ranks, "win_get: src_weights", "in", st, win)
     mutex, with_p = _flag(require_mutex, "win_get: require_mutex"), _with_p
-    current = _current(win)
-    return _submit(win, "WIN_GET", lambda eng, op: _win_tasks.get(eng, op, win, srcw, mutex, with_p, current),
-                   blocking)
+
+    def prepare(op_name):
+        current = _current(win, op_name)
+        return (lambda eng, op: _win_tasks.get(eng, op, win, srcw, mutex, with_p, current)), None
+    return _submit(win, "WIN_GET", prepare, blocking)
 
 
 def win_get(name, src_weights=None, require_mutex=False):
@@ -309,13 +333,13 @@ def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone
                                 st, win)
     flags = (_flag(reset, "win_update: reset"), _flag(clone, "win_update: clone"),
              _flag(require_mutex, "win_update: require_mutex"))
-    with_p, current = _with_p, _current(win)
-    out = win_wait(_submit(win, "WIN_UPDATE", lambda eng, op: _win_tasks.update(
-        eng, op, win, sw, nbw, *flags, with_p, current), True))
-    if win.device_tensor is None:
-        return out
-    clone = flags[1]
-    return _devices.delivery(win.device_tensor, not clone, win.name)(out)
+    with_p = _with_p
+
+    def prepare(op_name):
+        current = _current(win, op_name)
+        return (lambda eng, op: _win_tasks.update(eng, op, win, sw, nbw, *flags, with_p, current),
+                _written_back(win, flags[1], op_name))
+    return win_wait(_submit(win, "WIN_UPDATE", prepare, True))
 
 
 def win_update_then_collect(name, require_mutex=True):
@@ -344,13 +368,14 @@ def win_mutex(name, for_self=False, ranks=None):
         if for_self:
             targets.append(st.rank)
     targets = sorted(set(targets))
-    win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets), True))
+    win_wait(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets)),
+                     True))
     win.mutex_blocks += 1
     try:
         yield
     finally:
         win.mutex_blocks -= 1
-        win_wait(_submit(win, "WIN_MUTEX", lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets),
+        win_wait(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets)),
                          True))
 
 

@@ -1,6 +1,7 @@
 """A small convolutional network trained decentralized on generated images.
 
     bfrun -np 4 python examples/cnn_patterns.py [--optimizer winput awc atc] [--short] [--epochs N]
+        [--device cuda]
 
 The data are generated, never downloaded: ten classes, each a fixed 16x16
 pattern of 4x4-pixel blocks; a sample is its class's pattern shifted by up to
@@ -23,6 +24,9 @@ on the Exp-2 graph):
 - ``atc``: DistributedAdaptThenCombineOptimizer: each parameter takes its
   local step the moment its gradient is ready and is sent at once, so the
   last layer's exchange overlaps the backward pass of the earlier ones.
+
+With ``--device cuda`` each agent trains on a GPU (agent i on GPU i modulo the GPUs
+of its machine); the library copies what it communicates through host memory.
 
 Rank 0 prints the agents' mean training loss and test accuracy after each
 epoch and, last, per optimizer the mean test accuracy of the agents' models
@@ -107,7 +111,7 @@ def train(name, args, train_data, test_data):
     named after the optimizer (``atc.0.weight``, ...): each run gets its own
     timeline rows."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(collections.OrderedDict([(name, make_model())]))
+    model = torch.nn.Sequential(collections.OrderedDict([(name, make_model())])).to(train_data[0].device)
     bf.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = wrap(name, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model)
     (images, labels), order = train_data, torch.Generator().manual_seed(bf.rank())
@@ -119,7 +123,7 @@ def train(name, args, train_data, test_data):
             loss.backward()
             opt.step()
             total += loss.item() * len(batch)
-        stats = bf.allreduce(torch.tensor([total / len(labels), accuracy(model, *test_data)]),
+        stats = bf.allreduce(torch.tensor([total / len(labels), float(accuracy(model, *test_data))]),
                              name="epoch_stats")
         if bf.rank() == 0:
             print(f"{name} epoch {epoch:2d}: training loss {stats[0]:.4f}, "
@@ -139,13 +143,18 @@ def main():
     ap.add_argument("--samples", type=int, default=640, help="training images per agent")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the agents train")
     args = ap.parse_args()
     if args.epochs is None:
         args.epochs = 5 if args.short else 10
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
-    images, labels = (torch.from_numpy(a) for a in training_set(bf.rank(), bf.size(), args.samples))
-    test_images, test_labels = (torch.from_numpy(a) for a in test_set())
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", bf.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    images, labels = (torch.from_numpy(a).to(device) for a in training_set(bf.rank(), bf.size(), args.samples))
+    test_images, test_labels = (torch.from_numpy(a).to(device) for a in test_set())
     results = []
     for name in args.optimizer:
         acc = train(name, args, (images.unsqueeze(1), labels), (test_images.unsqueeze(1), test_labels))

@@ -221,12 +221,14 @@ def _bfrun(args, timeout):
     return out
 
 
-def test_cnn_reaches_the_stated_accuracy_with_each_optimizer():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_cnn_reaches_the_stated_accuracy_with_each_optimizer(device):
     """Every agent's model within 10 points of the ideal classifier (>= 90 %
     here, chance is 10 %) after the short run (5 epochs), with WinPut, AWC and ATC."""
     ideal = matched_filter_accuracy()
     assert ideal > 0.99
-    out = _bfrun([os.path.join("examples", "cnn_patterns.py"), "--short"], timeout=300)
+    out = _bfrun([os.path.join("examples", "cnn_patterns.py"), "--short", "--device", device], timeout=300)
     final = [line for line in out.splitlines() if line.startswith("final test accuracy: ")]
     assert len(final) == 1, out[-3000:]
     worst = dict(re.findall(r"(\w+) [\d.]+ % \(worst agent ([\d.]+) %\)", final[0]))

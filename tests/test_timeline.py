@@ -160,11 +160,16 @@ def test_device_tensors_show_their_copies_around_the_operation(ops_traces):
     COPY_TO_DEVICE after the result was ready (at synchronize)."""
     _, traces = ops_traces
     for t in traces:
-        for tensor, kind in (("dev.nar", "NEIGHBOR_ALLREDUCE"), ("dev.ar", "ALLREDUCE")):
+        for tensor, kind in (("dev.nar", "NEIGHBOR_ALLREDUCE"), ("dev.ar", "ALLREDUCE"),
+                             ("dev.win#1", "WIN_UPDATE")):
             spans = sorted((s for s in t.spans if s[0] == tensor and s[1] == "main"), key=lambda s: s[3])
             assert [s[2] for s in spans] == ["COPY_TO_HOST", f"ENQUEUE_{kind}", "COPY_TO_DEVICE"], (tensor, spans)
             assert spans[0][4] <= spans[1][3] and spans[1][4] <= spans[2][3], spans
             assert all(s[5] is None for s in spans), spans    # none inside another
+        # win_create's copy and the put are in the window's row (win_create's ENQUEUE_ in
+        # "win_create"'s); the update's copies above in its own op's row, not inside the put's
+        put = [s[2] for s in sorted(t.spans, key=lambda s: s[3]) if s[0] == "dev.win" and s[1] == "main"]
+        assert put == ["COPY_TO_HOST", "COPY_TO_HOST", "ENQUEUE_WIN_PUT"], put
 
 
 def test_user_activities_and_cycle_markers(ops_traces):

@@ -3,12 +3,22 @@ a machine with a GPU) or, by default, a stand-in that reports device cuda:0 whil
 memory is the host's (test machines have no GPU; bluefog_lite treats it as a device
 tensor: copied to the host at the call, the result copied back at synchronize)."""
 import os
+import threading
 
 import torch
 
 
 class FakeCudaTensor(torch.Tensor):
-    """What a CUDA tensor looks like to bluefog_lite."""
+    """What a CUDA tensor looks like to bluefog_lite. Like a CUDA tensor's memory, it
+    must not be touched by the communication thread (which cannot know the caller's
+    stream): any torch call on it from a thread but the main one raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"a device tensor was used on thread {threading.current_thread().name!r} "
+                               f"({getattr(func, '__name__', func)})")
+        return super().__torch_function__(func, types, args, kwargs)
 
     @property
     def device(self):

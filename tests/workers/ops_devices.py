@@ -65,12 +65,12 @@ check("input changed after the call", bf.synchronize(h), mixed(0, (1000,)))
 if REAL:
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        z = torch.full((1 << 22,), float(rank), device="cuda")
-        for _ in range(20):
-            z = z * 2.0 - z         # queued kernels, z unchanged in value
-        y = bf.allreduce(z, name="side.stream") * 1.0
+        z = torch.zeros(1 << 22, device="cuda")
+        torch.cuda._sleep(100_000_000)      # the GPU is busy a while before z gets its values
+        z.fill_(rank + 1.0)
+        y = bf.allreduce(z, name="side.stream") + 0.0
     torch.cuda.current_stream().wait_stream(side)
-    check("side stream", y, np.full(1 << 22, (size - 1) / 2))
+    check("side stream", y, np.full(1 << 22, (size + 1) / 2))
 
 # -- dynamic one-peer Exp-2, explicit weights --------------------------------------------------
 gens = [topo.GetDynamicOnePeerSendRecvRanks(topo.ExponentialTwoGraph(size), r) for r in range(size)]

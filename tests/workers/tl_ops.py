@@ -32,6 +32,11 @@ bf.neighbor_allreduce(to_device(x), name="dev.nar")
 y = to_device(x)
 h = bf.allreduce_nonblocking_(y, name="dev.ar")
 bf.synchronize(h)
+bf.win_create(to_device(x), "dev.win")
+h = bf.win_put_nonblocking(to_device(x), "dev.win")
+bf.win_update("dev.win")        # runs as "dev.win#1": the put is not yet synchronized
+bf.win_wait(h)
+bf.win_free("dev.win")
 
 assert bf.timeline_start_activity("user", "LOAD_DATA") is True
 assert bf.timeline_end_activity("user") is True
