@@ -107,6 +107,17 @@ class _InOrder:
 _wrapper_of = weakref.WeakKeyDictionary()     # model -> weakref to the wrapper whose hooks are on it
 
 
+def _prefix(value, what):
+    """value + "." (what a wrapper puts before its names), or "" for None."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {value!r}")
+    if not value:
+        raise ValueError(f"{what} must be a non-empty string, or None for none")
+    return value + "."
+
+
 def _check_not_wrapped(model):
     """Two wrappers on one model would both communicate its parameters under the same
     names (the second's calls fail as 'already in flight'): refuse the second while
@@ -140,11 +151,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._named = _named_params(model, optimizer)
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]   # (checked per step)
         if self._named_ops:
-            if name_prefix is not None:      # another wrapped model may have parameters of the same names
-                if not isinstance(name_prefix, str) or not name_prefix:
-                    raise TypeError(f"name_prefix must be a non-empty string, got {name_prefix!r}")
-                self._prefix = name_prefix + "."
-                self._named = [(self._prefix + n, p) for n, p in self._named]
+            self._prefix = _prefix(name_prefix, "name_prefix")  # (another wrapped model may have the same names)
+            self._named = [(self._prefix + n, p) for n, p in self._named]
             for n, _ in self._named:
                 ops.check_name(n, "parameter name", "rename the parameter or give the wrapper a name_prefix "
                                "(the wrapper runs its communication under the name)")
@@ -527,11 +535,7 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
     _named_ops = False
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
-        if window_prefix is not None and not isinstance(window_prefix, str):
-            raise TypeError(f"window_prefix must be a string, got {window_prefix!r}")
-        if window_prefix == "":
-            raise ValueError("window_prefix must be a non-empty string, or None for none")
-        self._prefix = "" if window_prefix is None else window_prefix + "."
+        self._prefix = _prefix(window_prefix, "window_prefix")
         super().__init__(optimizer, model, num_steps_per_communication)
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)

@@ -35,6 +35,9 @@ raises(TypeError, "communication_type must be a bf.CommunicationType, got 'allre
        sgd(net.parameters()), net, "allreduce")
 raises(TypeError, "window_prefix must be a string, got 3", WINPUT, sgd(net.parameters()), net, window_prefix=3)
 raises(ValueError, "window_prefix must be a non-empty string", WINPUT, sgd(net.parameters()), net, window_prefix="")
+for wrapper in (AWC, ATC, GAR):
+    raises(TypeError, "name_prefix must be a string, got 3", wrapper, sgd(net.parameters()), net, name_prefix=3)
+    raises(ValueError, "name_prefix must be a non-empty string", wrapper, sgd(net.parameters()), net, name_prefix="")
 assert bf.get_current_created_window_names() == []       # the refused ones created none
 ok = AWC(sgd(net.parameters()), net, num_steps_per_communication=np.int64(2))   # numpy ints are ints
 assert ok.num_steps_per_communication == 2 and type(ok.num_steps_per_communication) is int
