@@ -362,6 +362,45 @@ def test_an_empty_file_is_named_as_empty(tmp_path, capsys):
     assert code == 1 and "tl_1.json is empty" in err, err
 
 
+def test_a_run_whose_agents_did_not_all_write_is_read_with_allow_missing(tmp_path, capsys):
+    """Of 4 agents, 1 left an empty file and 3 none: refused, the message pointing to
+    --allow-missing; with it every command reads agents 0 and 2, names what it left
+    out, and merge's arrows join only the agents present."""
+    prefix = str(tmp_path / "tl_")
+    call = op_call("x", "ALLREDUCE", (10000, 10900), (10050, 10850), (10100, 10800))
+    for r in (0, 2):
+        write_agent(f"{prefix}{r}.json", r, 4, call)
+    (tmp_path / "tl_1.json").write_text("[\n")
+    code, _, err = cli(["summary", prefix], capsys)
+    assert code == 1 and "tl_1.json is empty" in err and "--allow-missing" in err, err
+    (tmp_path / "tl_1.json").unlink()
+    code, _, err = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 1 and "missing: " in err and "tl_3.json" in err and "--allow-missing" in err, err
+    (tmp_path / "tl_1.json").write_text("[\n")
+    left_out = [f"{prefix}1.json (empty)", f"{prefix}3.json (missing)"]
+
+    code, out, _ = cli(["summary", prefix, "--allow-missing", "--json", tmp_path / "s.json"], capsys)
+    assert code == 0 and "without " + ", ".join(left_out) in out, out
+    summary = load_json(tmp_path / "s.json")
+    assert [a["rank"] for a in summary["agents"]] == [0, 2] and summary["skipped"] == left_out
+    assert all(a["time_ms"]["COMMUNICATE"] == pytest.approx(0.7) for a in summary["agents"])
+
+    code, out, _ = cli(["merge", prefix, "--allow-missing", "-o", tmp_path / "m.json"], capsys)
+    assert code == 0 and "2 agents" in out and "without " + ", ".join(left_out) in out, out
+    events = load_json(tmp_path / "m.json")
+    assert sorted(process_names(events).values()) == ["rank 0 (h)", "rank 2 (h)"]
+    assert sorted((u, v) for u, v, _, _ in check_flows(events)) == [(1, 3), (3, 1)]    # pids of ranks 0, 2
+
+    pytest.importorskip("matplotlib")
+    code, out, _ = cli(["plot", prefix, "--allow-missing", "-o", tmp_path / "p.png"], capsys)
+    assert code == 0 and "without " + ", ".join(left_out) in out and (tmp_path / "p.png").stat().st_size > 0
+
+    for r in (0, 2):
+        (tmp_path / f"tl_{r}.json").write_text("[\n")
+    code, _, err = cli(["summary", prefix, "--allow-missing"], capsys)
+    assert code == 1 and "every timeline file" in err and "is empty" in err, err
+
+
 def test_merge_does_not_overwrite_its_inputs_and_leaves_no_partial_output(tmp_path, capsys):
     prefix = overlap_trace(tmp_path)
     before = (tmp_path / "tl_0.json").read_bytes()

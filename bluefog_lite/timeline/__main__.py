@@ -13,7 +13,11 @@ def _parser():
         description="Read the per-agent timeline files PREFIX<rank>.json of one run (bfrun "
                     "--timeline-filename PREFIX) together, on rank 0's clock.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{merge,summary,plot}")
-    m = sub.add_parser("merge", help="all agents in one trace file (Perfetto / chrome://tracing)",
+    missing = argparse.ArgumentParser(add_help=False)
+    missing.add_argument("--allow-missing", action="store_true",
+                         help="read the run without the files of agents that wrote none (missing or empty: "
+                              "an agent that died early); the output names them")
+    m = sub.add_parser("merge", parents=[missing], help="all agents in one trace file (Perfetto / chrome://tracing)",
                        description="Write one trace: a process per agent, a thread per row of its file, "
                                    "clocks aligned, flow arrows from each send to the matching receive.")
     m.add_argument("prefix", metavar="PREFIX")
@@ -24,14 +28,14 @@ def _parser():
                         "edges neighbor-operation arrows then follow; without it they connect every pair "
                         "of agents. Files with the marks get arrows to the ranks each call sent to")
     m.add_argument("--no-flows", action="store_true", help="leave out the arrows")
-    s = sub.add_parser("summary", help="time per phase, overlap, stragglers, per agent",
+    s = sub.add_parser("summary", parents=[missing], help="time per phase, overlap, stragglers, per agent",
                        description="Per agent: time in FORWARD, BACKWARD, communication and each of its "
                                    "phases, idle; communication/computation overlap; straggler ranking.")
     s.add_argument("prefix", metavar="PREFIX")
     s.add_argument("--json", metavar="OUT.json", help="also write the summary as JSON")
     s.add_argument("--compute", action="append", default=[], metavar="ACTIVITY",
                    help="count this activity (e.g. your timeline_context name) as compute too; repeatable")
-    p = sub.add_parser("plot", help="a PNG of all agents on one time axis",
+    p = sub.add_parser("plot", parents=[missing], help="a PNG of all agents on one time axis",
                        description="Draw every agent's slices on one time axis, one lane per agent and "
                                    "thread, colored by phase (needs matplotlib).")
     p.add_argument("prefix", metavar="PREFIX")
@@ -50,24 +54,32 @@ def main(argv=None):
             if args.topology:
                 import topology
                 topo = getattr(topology, args.topology)
-            counts = merge(args.prefix, args.output, topology=topo, flows=not args.no_flows)
+            counts = merge(args.prefix, args.output, topology=topo, flows=not args.no_flows,
+                           allow_missing=args.allow_missing)
             print(f"bftimeline: wrote {args.output}: {counts['agents']} agents, {counts['events']} events, "
-                  f"{counts['flows']} flow arrows")
+                  f"{counts['flows']} flow arrows" + _without(counts["skipped"]))
         elif args.command == "summary":
             from ._summary import format_summary, summarize
-            summary = summarize(args.prefix, compute=args.compute)
+            summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing)
             sys.stdout.write(format_summary(summary))
             if args.json:
                 with open(args.json, "w", encoding="utf-8") as f:
                     json.dump(summary, f, indent=1)
         else:
             from ._plot import plot
-            lanes = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end)
-            print(f"bftimeline: wrote {args.output} ({lanes} lanes)")
+            from ._agents import find_agents
+            skipped = find_agents(args.prefix, allow_missing=True).skipped if args.allow_missing else []
+            lanes = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end,
+                         allow_missing=args.allow_missing)
+            print(f"bftimeline: wrote {args.output} ({lanes} lanes)" + _without(skipped))
     except (ValueError, RuntimeError, OSError) as exc:
         sys.stderr.write(f"bftimeline {args.command}: error: {exc}\n")
         return 1
     return 0
+
+
+def _without(skipped):
+    return f"; without {', '.join(skipped)}" if skipped else ""
 
 
 if __name__ == "__main__":

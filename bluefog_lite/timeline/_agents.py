@@ -11,12 +11,22 @@ Agent.__doc__ = ("One agent's file. offset_us: add it to the file's timestamps t
                  "clock (the clock_offset_us measured at init; 0 when not recorded).")
 
 
-def find_agents(prefix):
-    """The agents of the run recorded under prefix, by rank.
+class Agents(list):
+    """The Agent of each file read, by rank; skipped: the files left out (allow_missing)."""
+
+    def __init__(self, agents, skipped):
+        super().__init__(agents)
+        self.skipped = skipped
+
+
+def find_agents(prefix, allow_missing=False):
+    """The agents of the run recorded under prefix, by rank (an Agents list).
 
     Raises ValueError when there is no PREFIX<rank>.json, when a file is not a
     timeline or its recorded rank differs from its name, or when the files
-    disagree on the number of agents or some are missing."""
+    disagree on the number of agents or some are missing or empty. allow_missing:
+    read the run without the missing and empty files (an agent that died before
+    it wrote anything), named in the result's skipped."""
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be a non-empty string (files are PREFIX<rank>.json), got {prefix!r}")
     folder, base = os.path.split(prefix)
@@ -31,7 +41,10 @@ def find_agents(prefix):
             found.setdefault(int(m.group(1)), os.path.join(folder, entry))
     if not found:
         raise ValueError(f"no timeline files {prefix}<rank>.json (looked for e.g. {prefix}0.json)")
-    agents = [_agent(rank, path) for rank, path in sorted(found.items())]
+    skipped = [f"{path} (empty)" for path in found.values() if allow_missing and _empty(path)]
+    agents = [_agent(rank, path) for rank, path in sorted(found.items()) if not (allow_missing and _empty(path))]
+    if not agents:
+        raise ValueError(f"every timeline file {prefix}<rank>.json is empty: no agent wrote a timeline")
     runs = collections.defaultdict(list)     # (run id, size) -> its files' ranks
     for a in agents:
         runs[(a.meta.get("run_id"), a.meta.get("size"))].append(a)
@@ -42,12 +55,19 @@ def find_agents(prefix):
     size = agents[0].meta.get("size")
     if isinstance(size, int):
         missing = [f"{prefix}{r}.json" for r in range(size) if r not in found]
-        if missing:
-            raise ValueError(f"the run had {size} agents but these files are missing: {', '.join(missing)}")
+        if missing and not allow_missing:
+            raise ValueError(f"the run had {size} agents but these files are missing: {', '.join(missing)} "
+                             "(--allow-missing reads the run without them)")
+        skipped += [f"{path} (missing)" for path in missing]
         stray = [a.path for a in agents if a.rank >= size]
         if stray:
             raise ValueError(f"files for ranks beyond the run's {size} agents: {', '.join(stray)}")
-    return agents
+    return Agents(agents, sorted(skipped))
+
+
+def _empty(path):
+    """True for a file its agent opened but wrote nothing into (read_metadata's test)."""
+    return os.path.getsize(path) <= 2
 
 
 def _describe_run(agents):

@@ -26,17 +26,18 @@ FLOW_CATEGORY = "exchange"
 _INSIDE_US = 0.5   # arrow ends are placed this far (at most) inside their slice, so that they bind to it
 
 
-def merge(prefix, out_path, topology=None, flows=True):
+def merge(prefix, out_path, topology=None, flows=True, allow_missing=False):
     """Write the merged trace of the run under prefix to out_path.
 
     topology: None, or a callable size -> networkx.DiGraph whose edges are the
-    neighbor exchanges. Returns {"agents": n, "events": m, "flows": f}."""
-    agents = find_agents(prefix)
+    neighbor exchanges; allow_missing: see find_agents. Returns {"agents": n,
+    "events": m, "flows": f, "skipped": [the files left out]}."""
+    agents = find_agents(prefix, allow_missing)
     for agent in agents:
         if os.path.exists(out_path) and os.path.samefile(out_path, agent.path):
             raise ValueError(f"the output {out_path} is rank {agent.rank}'s timeline file, an input of the merge; "
                              "write the merged trace elsewhere")
-    counts = {"agents": len(agents), "events": 0, "flows": 0}
+    counts = {"agents": len(agents), "events": 0, "flows": 0, "skipped": agents.skipped}
     partial = f"{out_path}.partial"     # moved to out_path once whole
     try:
         _write(prefix, agents, partial, topology, flows, counts)
@@ -57,8 +58,9 @@ def _write(prefix, agents, path, topology, flows, counts):
             writer = _AgentWriter(agent, out)
             counts["events"] += writer.copy()
             records[agent.rank] = (writer.records, writer.tids)
-        if flows:
-            edges = _edges(topology, len(agents))
+        if flows:     # (the run's size: files may be missing)
+            size = agents[0].meta.get("size")
+            edges = _edges(topology, size if isinstance(size, int) else agents[-1].rank + 1)
             for line in _flow_lines(records, edges):
                 out.write(line)
                 counts["flows"] += 1

@@ -61,11 +61,12 @@ def _pyplot():
     return plt
 
 
-def plot(prefix, out_path, start_ms=None, end_ms=None):
+def plot(prefix, out_path, start_ms=None, end_ms=None, allow_missing=False):
     """Draw the run under prefix into out_path (PNG). start_ms/end_ms: a window in
-    ms from the earliest timestamp of any agent. Returns the number of lanes."""
+    ms from the earliest timestamp of any agent; allow_missing: see find_agents.
+    Returns the number of lanes."""
     plt = _pyplot()
-    lanes, t0 = _read_lanes(find_agents(prefix))
+    lanes, t0 = _read_lanes(find_agents(prefix, allow_missing))
     if not lanes:
         raise ValueError(f"{prefix}<rank>.json hold no slices to plot")
     t_end = max(float(np.max(e)) for per_group in lanes.values() for _, e in per_group.values())

@@ -167,5 +167,5 @@ def read_metadata(path, within=64):
             break
     if os.path.getsize(path) <= 2:
         raise ValueError(f"{path} is empty: its agent wrote no timeline (killed before its writer's first "
-                         "flush, or a file left from elsewhere)")
+                         "flush, or a file left from elsewhere; --allow-missing reads the run without it)")
     raise ValueError(f"{path} is not a bluefog_lite timeline file (no bluefog_metadata event at its start)")

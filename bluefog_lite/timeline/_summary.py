@@ -32,18 +32,19 @@ COMMUNICATION = "communication"
 _OTHER = "other"
 
 
-def summarize(prefix, compute=()):
-    """The summary of a run as a dict (what --json writes)."""
+def summarize(prefix, compute=(), allow_missing=False):
+    """The summary of a run as a dict (what --json writes). allow_missing: see find_agents."""
     for name in compute:
         if name in (COMMUNICATION, _OTHER) or name in PHASES or name.startswith(("MPI_", "ENQUEUE_")):
             raise ValueError(f"--compute {name!r}: that is not a compute activity (communication phases and the "
                              f"summary's own '{COMMUNICATION}' and '{_OTHER}' columns cannot be counted as compute)")
     compute = tuple(dict.fromkeys(COMPUTE + tuple(compute)))
     agents, arrivals = [], {}
-    for agent in find_agents(prefix):
+    found = find_agents(prefix, allow_missing)
+    for agent in found:
         row, arrivals[agent.rank] = _agent_summary(agent, compute)
         agents.append(row)
-    return {"prefix": prefix, "agents": agents, "compute": list(compute),
+    return {"prefix": prefix, "agents": agents, "skipped": found.skipped, "compute": list(compute),
             "phases": [p for p in PHASES if any(p in a["time_ms"] for a in agents)],
             "stragglers": stragglers(arrivals)}
 
@@ -131,6 +132,8 @@ def format_summary(summary):
     agents = summary["agents"]
     lines = [f"bftimeline summary of {summary['prefix']}<rank>.json: {len(agents)} agents, "
              "times in ms on rank 0's clock"]
+    if summary.get("skipped"):
+        lines.append("without " + ", ".join(summary["skipped"]))
     columns = ([(c, c) for c in summary["compute"] if any(c in a["time_ms"] for a in agents)]
                + [(COMMUNICATION, "comm (MPI_*)")] + [(p, p) for p in summary["phases"]])
     headers = ["agent", "host", "clock ±us", "window"] + [label for _, label in columns] + ["idle", "overlap %"]
