@@ -1,11 +1,12 @@
 """Tensors on an accelerator (CUDA, ...) in the operations of ops.py: MPI reads and
 writes host memory, so such a tensor is copied to the host when the operation is
 called, and its result is copied back to the tensor's device when the operation is
-synchronized. Both copies run on the calling thread, on its current stream: the
-copy to the host waits for the work queued before the call, and work queued after
+synchronized. The copy to the host runs on the calling thread, the copy back on
+the thread that synchronizes, each on that thread's current stream: the copy to
+the host waits for the work queued before the call, and work queued after
 synchronize sees the result. The communication thread never touches device
 memory. With the timeline on, the copies are COPY_TO_HOST and COPY_TO_DEVICE
-spans on the calling thread, in the operation's row.
+spans on those threads, in the operation's row.
 """
 import torch
 
