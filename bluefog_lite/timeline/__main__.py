@@ -67,10 +67,8 @@ def main(argv=None):
                     json.dump(summary, f, indent=1)
         else:
             from ._plot import plot
-            from ._agents import find_agents
-            skipped = find_agents(args.prefix, allow_missing=True).skipped if args.allow_missing else []
-            lanes = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end,
-                         allow_missing=args.allow_missing)
+            lanes, skipped = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end,
+                                  allow_missing=args.allow_missing)
             print(f"bftimeline: wrote {args.output} ({lanes} lanes)" + _without(skipped))
     except (ValueError, RuntimeError, OSError) as exc:
         sys.stderr.write(f"bftimeline {args.command}: error: {exc}\n")

@@ -4,7 +4,7 @@ import os
 import re
 import time
 
-from ._reader import read_metadata
+from ._reader import is_empty, read_metadata
 
 Agent = collections.namedtuple("Agent", "rank path hostname offset_us meta")
 Agent.__doc__ = ("One agent's file. offset_us: add it to the file's timestamps to get rank 0's "
@@ -41,8 +41,12 @@ def find_agents(prefix, allow_missing=False):
             found.setdefault(int(m.group(1)), os.path.join(folder, entry))
     if not found:
         raise ValueError(f"no timeline files {prefix}<rank>.json (looked for e.g. {prefix}0.json)")
-    skipped = [f"{path} (empty)" for path in found.values() if allow_missing and _empty(path)]
-    agents = [_agent(rank, path) for rank, path in sorted(found.items()) if not (allow_missing and _empty(path))]
+    agents, skipped = [], []
+    for rank, path in sorted(found.items()):
+        if allow_missing and is_empty(path):
+            skipped.append(f"{path} (empty)")
+        else:
+            agents.append(_agent(rank, path))
     if not agents:
         raise ValueError(f"every timeline file {prefix}<rank>.json is empty: no agent wrote a timeline")
     runs = collections.defaultdict(list)     # (run id, size) -> its files' ranks
@@ -63,11 +67,6 @@ def find_agents(prefix, allow_missing=False):
         if stray:
             raise ValueError(f"files for ranks beyond the run's {size} agents: {', '.join(stray)}")
     return Agents(agents, sorted(skipped))
-
-
-def _empty(path):
-    """True for a file its agent opened but wrote nothing into (read_metadata's test)."""
-    return os.path.getsize(path) <= 2
 
 
 def _describe_run(agents):

@@ -64,9 +64,10 @@ def _pyplot():
 def plot(prefix, out_path, start_ms=None, end_ms=None, allow_missing=False):
     """Draw the run under prefix into out_path (PNG). start_ms/end_ms: a window in
     ms from the earliest timestamp of any agent; allow_missing: see find_agents.
-    Returns the number of lanes."""
+    Returns (the number of lanes, the files left out)."""
     plt = _pyplot()
-    lanes, t0 = _read_lanes(find_agents(prefix, allow_missing))
+    agents = find_agents(prefix, allow_missing)
+    lanes, t0 = _read_lanes(agents)
     if not lanes:
         raise ValueError(f"{prefix}<rank>.json hold no slices to plot")
     t_end = max(float(np.max(e)) for per_group in lanes.values() for _, e in per_group.values())
@@ -103,7 +104,7 @@ def plot(prefix, out_path, start_ms=None, end_ms=None, allow_missing=False):
                ncol=len(groups) if len(groups) <= 6 else (len(groups) + 1) // 2, fontsize=8, frameon=False)
     fig.savefig(out_path, format="png")
     plt.close(fig)
-    return len(keys)
+    return len(keys), agents.skipped
 
 
 def _read_lanes(agents):

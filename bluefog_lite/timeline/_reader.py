@@ -157,6 +157,11 @@ def _load_whole(path):
     return iter(events)
 
 
+def is_empty(path):
+    """True for a file its agent opened but wrote nothing into (at most "[\\n")."""
+    return os.path.getsize(path) <= 2
+
+
 def read_metadata(path, within=64):
     """The bluefog_metadata args of a file, reading only its first events (the
     writer puts them first). Raises ValueError naming the path if absent."""
@@ -165,7 +170,7 @@ def read_metadata(path, within=64):
             return ev["args"]
         if k >= within:
             break
-    if os.path.getsize(path) <= 2:
+    if is_empty(path):
         raise ValueError(f"{path} is empty: its agent wrote no timeline (killed before its writer's first "
                          "flush, or a file left from elsewhere; --allow-missing reads the run without it)")
     raise ValueError(f"{path} is not a bluefog_lite timeline file (no bluefog_metadata event at its start)")
