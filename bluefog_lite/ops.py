@@ -11,6 +11,7 @@ import itertools
 import re
 import threading
 
+import numpy as np
 import torch
 
 from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
@@ -448,19 +449,23 @@ def pair_gossip(tensor, target_rank, self_weight=None, pair_weight=None, name=No
 # ---- topology inference (collective) ------------------------------------------------
 
 def _adjacency(lists, size, outgoing):
-    W = torch.zeros(size, size)
+    """Bluefog's matrix of an inferred pattern: W[i, j] > 0 when i sends to j or
+    i == j, and each column averages what its agent receives (columns sum to 1),
+    the convention of set_topology(nx.from_numpy_array(W, create_using=nx.DiGraph),
+    is_weighted=True)."""
+    W = np.eye(size)
     for r, ranks in enumerate(lists):
-        for o in ranks:
-            if outgoing:
-                W[r, o] = 1.0
-            else:
-                W[o, r] = 1.0
-    return W.numpy()
+        if outgoing:
+            W[r, ranks] = 1.0
+        else:
+            W[ranks, r] = 1.0
+    return W / W.sum(axis=0)
 
 
 def InferSourceFromDestinationRanks(dst_ranks, construct_adjacency_matrix=False):
     """Collective: from every agent's destinations, the sources of this agent
-    (sorted). With construct_adjacency_matrix, also W with W[i, j] = 1 when i sends to j."""
+    (sorted). With construct_adjacency_matrix, also W (see _adjacency): uniform
+    weights 1/(in-degree + 1) in column j for agent j and its sources."""
     st = state()
 
     def validated():
@@ -473,7 +478,8 @@ def InferSourceFromDestinationRanks(dst_ranks, construct_adjacency_matrix=False)
 
 def InferDestinationFromSourceRanks(src_ranks, construct_adjacency_matrix=False):
     """Collective: from every agent's sources, the destinations of this agent
-    (sorted). With construct_adjacency_matrix, also W with W[i, j] = 1 when i sends to j."""
+    (sorted). With construct_adjacency_matrix, also W (see _adjacency): uniform
+    weights 1/(in-degree + 1) in column j for agent j and its sources."""
     st = state()
 
     def validated():

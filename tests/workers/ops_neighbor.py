@@ -1,5 +1,6 @@
 """neighbor_allreduce / neighbor_allgather / pair_gossip against numpy references
 computed from the mixing matrix (every agent can compute every agent's input)."""
+import networkx as nx
 import numpy as np
 import torch
 
@@ -147,14 +148,25 @@ srcs, W = bf.InferSourceFromDestinationRanks(dsts, construct_adjacency_matrix=Tr
 expected = sorted({r for r in range(size) for d in ([(r + 1) % size, (r + 3) % size] if size > 3
                                                      else [(r + 1) % size]) if d == rank} - {rank})
 assert srcs == expected, (srcs, expected)
-W_ref = np.zeros((size, size))
+# Bluefog's matrix: i -> j edges and self-loops, each column the uniform average
+# of what its agent receives (1 / (in-degree + 1))
+W_ref = np.eye(size)
 for r in range(size):
     for d in ([(r + 1) % size, (r + 3) % size] if size > 3 else [(r + 1) % size]):
-        if d != r:
-            W_ref[r, d] = 1.0
-assert np.array_equal(W, W_ref), (W, W_ref)
-back = bf.InferDestinationFromSourceRanks(srcs)
+        W_ref[r, d] = 1.0
+in_degree = [sum(1 for r in range(size) if r != j and W_ref[r, j]) for j in range(size)]
+W_ref = W_ref / np.array([k + 1.0 for k in in_degree])
+assert W.dtype == np.float64 and np.allclose(W, W_ref), (W, W_ref)
+assert np.allclose(W.sum(axis=0), 1.0)
+assert srcs == [r for r in range(size) if r != rank and W[r, rank] > 0]
+back, W_back = bf.InferDestinationFromSourceRanks(srcs, construct_adjacency_matrix=True)
 assert back == sorted(set(dsts) - {rank}), (back, dsts)
+assert np.allclose(W_back, W_ref), (W_back, W_ref)    # the same pattern, told from the other side
+# ... and ready for a weighted topology: averaging over it is W's columns
+assert bf.set_topology(nx.from_numpy_array(W, create_using=nx.DiGraph), is_weighted=True)
+x_all = np.arange(size * 3, dtype=np.float64).reshape(size, 3) ** 1.5
+got = bf.neighbor_allreduce(torch.from_numpy(x_all[rank].copy()), name="inferred")
+assert np.allclose(got.numpy(), W[:, rank] @ x_all), (got, W[:, rank] @ x_all)
 
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
