@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 import topology as _topo
+from topology import _validate as _topo_checks
 
 from ._departures import Departures
 from ._mpi import MPI
@@ -246,9 +247,8 @@ def _check_is_weighted(is_weighted):
 def _validate_graph(G, n, what, is_weighted=False, unit="agent"):
     if not isinstance(G, nx.Graph) or G.is_multigraph():
         raise TypeError(f"{what} must be a networkx.DiGraph, got {type(G).__name__}")
-    if G.number_of_nodes() != n or set(G.nodes) != set(range(n)):
-        raise ValueError(f"{what} must have nodes 0..{n - 1} (one per {unit}), "
-                         f"got {G.number_of_nodes()} nodes")
+    if not _topo_checks.has_rank_nodes(G, n):
+        raise ValueError(f"{what} must have nodes 0..{n - 1} (one per {unit}), got {_topo_checks.nodes_shown(G)}")
     if is_weighted:
         for i, j, w in G.edges(data="weight", default=1.0):
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
@@ -292,11 +292,12 @@ def _install_machine_topology(G, is_weighted):
 
 
 def _fingerprint(G, is_weighted):
-    """What agents must agree on: is_weighted, and the weights of a weighted graph,
-    else its edges."""
-    if is_weighted:
-        return True, np.round(_topo.mixing_matrix(G), 12).tobytes()
-    return False, repr(sorted(G.edges())).encode()
+    """What agents must agree on: is_weighted, the edges and the weights of a
+    weighted graph."""
+    edges = repr(sorted(G.edges())).encode()
+    if is_weighted:     # the edges too: an edge of weight 0 still makes a neighbor
+        return True, np.round(_topo.mixing_matrix(G), 12).tobytes() + edges
+    return False, edges
 
 
 def _same_everywhere(call, fingerprints, graphs_differ):

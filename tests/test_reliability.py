@@ -304,6 +304,9 @@ def test_set_topology_with_a_graph_of_the_wrong_size_or_not_a_graph(cases):
     raised(cases, "topology.wrong_size", "ValueError", "nodes 0..3", "got 5 nodes")
     raised(cases, "topology.not_a_graph", "TypeError", "networkx.DiGraph", "got list")
     raised(cases, "topology.multigraph", "TypeError", "networkx.DiGraph", "got MultiDiGraph")
+    raised(cases, "topology.float_nodes", "ValueError", "nodes 0..3", "got 4 nodes [0.0, 1.0, 2.0, 3.0]")
+    # an edge of weight 0 still makes rank 0 an in-neighbor of rank 2: the graphs differ
+    raised(cases, "topology.zero_weight_edge_differs", "ValueError", "agents passed different graphs")
     assert cases.of("topology.weights_ignored_unweighted") == {r: "OK" for r in range(N)}
     raised(cases, "topology.is_weighted_not_bool", "TypeError", "is_weighted must be True or False, got 'no'")
     raised(cases, "topology.is_weighted_differs", "ValueError", "agents passed different is_weighted",

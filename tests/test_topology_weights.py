@@ -90,6 +90,15 @@ def test_mixing_matrix_rejects_nodes_not_0_to_n_minus_1():
         topology.mixing_matrix(G)
 
 
+@pytest.mark.parametrize("label", [float, lambda v: bool(v)])
+def test_nodes_that_only_compare_equal_to_ranks_are_refused(label):
+    """0.0 == 0 and True == 1, but a graph on them would hand out float or bool ranks."""
+    G = nx.relabel_nodes(topology.RingGraph(2), label)
+    for read in (topology.mixing_matrix, lambda g: topology.GetRecvWeights(g, 0), topology.IsRegularGraph):
+        with pytest.raises(ValueError, match=r"nodes 0\.\.1 \(one per rank\), got 2 nodes \[(0\.0|False)"):
+            read(G)
+
+
 def test_mixing_matrix_missing_weight_counts_as_one():
     G = nx.DiGraph([(0, 1)])
     np.testing.assert_array_equal(topology.mixing_matrix(G), [[0.0, 1.0], [0.0, 0.0]])

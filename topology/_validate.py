@@ -36,6 +36,21 @@ def check_topology(topo, name="topo"):
     if not isinstance(topo, nx.Graph) or topo.is_multigraph():
         raise ValueError(f"{name} must be a networkx graph (not a multigraph), got {type(topo).__name__}")
     n = topo.number_of_nodes()
-    if set(topo.nodes) != set(range(n)):
-        raise ValueError(f"{name} must have nodes 0..{n - 1} (one per rank)")
+    if not has_rank_nodes(topo, n):
+        raise ValueError(f"{name} must have nodes 0..{n - 1} (one per rank), got {nodes_shown(topo)}")
     return topo if topo.is_directed() else topo.to_directed()
+
+
+def has_rank_nodes(G, n):
+    """Whether G's nodes are exactly the integers 0..n-1 (0.0 or True are not
+    ranks although they compare equal to 0 and 1)."""
+    return (G.number_of_nodes() == n
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in G.nodes)
+            and set(G.nodes) == set(range(n)))
+
+
+def nodes_shown(G, most=6):
+    """G's nodes for an error message: 'nodes [0.0, 1.0, ...]'."""
+    nodes = list(G.nodes)
+    listed = ", ".join(repr(v) for v in nodes[:most]) + (", ..." if len(nodes) > most else "")
+    return f"{len(nodes)} nodes [{listed}]"

@@ -316,6 +316,11 @@ attempt("range.machine_weights_half", bf.hierarchical_neighbor_allreduce, X, sel
 attempt("topology.wrong_size", bf.set_topology, topo.RingGraph(SIZE + 1))
 attempt("topology.not_a_graph", bf.set_topology, [[0, 1], [1, 0]])
 attempt("topology.multigraph", bf.set_topology, nx.MultiDiGraph(topo.RingGraph(SIZE)))
+attempt("topology.float_nodes", bf.set_topology, nx.relabel_nodes(topo.RingGraph(SIZE), float))
+ZERO_EDGE = topo.RingGraph(SIZE)       # weighted: the same weights, but an edge 0 -> 2 of weight 0 on ranks 1..3
+if RANK:
+    ZERO_EDGE.add_edge(0, 2, weight=0.0)
+attempt("topology.zero_weight_edge_differs", bf.set_topology, ZERO_EDGE, is_weighted=True)
 STRING_WEIGHTS = topo.RingGraph(SIZE)
 for _, _, attrs in STRING_WEIGHTS.edges(data=True):
     attrs["weight"] = "heavy"                    # unused without is_weighted
