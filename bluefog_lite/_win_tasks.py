@@ -6,7 +6,8 @@ the window was created with)::
 
     0                 mutex word (int64: 0 free, else holder rank + 1)
     8 .. 8+8k         versions[i]: puts/accumulates in-neighbor i made since the last read
-    8+8k ..           p[0] (own push-sum weight), p[1+i] (weight that came with buffer i), float64
+    8+8k ..           p[0] (own push-sum weight), p[1+i] (weight that came with buffer i),
+                      then the exposed p (p[0] when the exposed copy was taken), float64
     data              the *exposed copy* of the agent's window tensor (read by win_get)
     data + (1+i)*slot buffer i: what in-neighbor ``in_ranks[i]`` wrote
 
@@ -65,7 +66,7 @@ class Layout:
     def __init__(self, k, nbytes):
         self.k = k
         self.slot = _aligned(nbytes)
-        self.data = _aligned(8 + 8 * k + 8 * (k + 1))
+        self.data = _aligned(8 + 8 * k + 8 * (k + 2))
         self.size = self.data + (k + 1) * self.slot
 
     @staticmethod
@@ -75,6 +76,10 @@ class Layout:
     def p(self, i):
         """Offset of p[i]: i = 0 own weight, 1 + j the weight of buffer j."""
         return 8 + 8 * self.k + 8 * i
+
+    def exposed_p(self):
+        """Offset of the p that goes with the exposed copy (what win_get reads)."""
+        return self.p(self.k + 1)
 
     def buf(self, i):
         return self.data + (i + 1) * self.slot
@@ -109,7 +114,7 @@ class Window:
         self.tickets = 0        # next ticket (taken under the engine's queue lock): program order
         self.serving = 0        # lowest ticket not yet finished (communication thread)
         self._finished = set()
-        self.versions = self.p = self.exposed = None
+        self.versions = self.p = self.exposed = self.exposed_p = None
         self.buffers = []
 
     def take_ticket(self):
@@ -128,6 +133,7 @@ class Window:
         mem = np.frombuffer(win.tomemory(), dtype=np.uint8)
         self.versions = mem[8:8 + 8 * lay.k].view(np.int64)
         self.p = mem[lay.p(0):lay.p(lay.k + 1)].view(np.float64)
+        self.exposed_p = mem[lay.exposed_p():lay.exposed_p() + 8].view(np.float64)
         np_dtype = torch.empty(0, dtype=self.stored).numpy().dtype
 
         def view(off):
@@ -137,7 +143,7 @@ class Window:
 
     def detach(self):
         """Drop every view of the MPI memory before it is freed."""
-        self.versions = self.p = self.exposed = None
+        self.versions = self.p = self.exposed = self.exposed_p = None
         self.buffers = []
         self.win = None
 
@@ -169,10 +175,12 @@ def _reset_versions(win, indices):
 
 
 def _publish(win):
-    """Refresh the exposed copy that neighbors' win_get reads."""
+    """Refresh the exposed copy that neighbors' win_get reads, and the p that goes
+    with it (a put's self_weight scales p and the tensor, not the exposed copy)."""
     if win.nbytes:
         win.exposed.copy_(win.tensor.detach())
-        win.win.Sync()      # local stores visible to RMA readers (separate memory model)
+    win.exposed_p[0] = win.p[0]
+    win.win.Sync()      # local stores visible to RMA readers (separate memory model)
 
 
 # ---- the distributed mutex ----------------------------------------------------------
@@ -409,7 +417,7 @@ def get(eng, op, win, src_weights, require_mutex, with_p, current=None):
                     yield from _wait_local(req, f"MPI_Rget from rank {src}")
                 if with_p:
                     pv = np.zeros(1)
-                    win.win.Get([pv, MPI.DOUBLE], src, target=lay.p(0))
+                    win.win.Get([pv, MPI.DOUBLE], src, target=lay.exposed_p())
                     win.win.Flush(src)
                     win.p[1 + i] = pv[0] * w
                 if w != 1.0 and win.nbytes:

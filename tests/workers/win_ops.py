@@ -186,6 +186,22 @@ close(y, v[rank] + sum(0.5 * v[s] for s in IN))       # each agent's tensor afte
 close(bf.win_associated_p("p"), p_of[rank] + sum(0.5 * p_of[s] for s in IN))
 bf.barrier()
 bf.win_free()
+
+# -- win_get fetches a neighbor's data and its p as of the same moment (its exposed copy) ---------
+gx = torch.from_numpy(data(rank, 9))
+bf.win_create(gx, "g")                  # exposes (data, p = 1)
+bf.win_put(gx, "g", self_weight=0.5)    # halves gx and p in place; the exposed copy stays
+bf.barrier()
+for turn in range(size):                # one agent at a time: its win_get exposes (data / 2, 1 / 2)
+    if turn == rank:
+        bf.win_get("g")
+    bf.barrier()
+c = {s: 0.5 if s < rank else 1.0 for s in IN}   # sources that had their turn before this agent
+close(bf.win_update("g", self_weight=0.0, neighbor_weights={s: 1.0 for s in IN}),
+      sum(c[s] * data(s, 9) for s in IN))
+close(bf.win_associated_p("g"), sum(c.values()))
+bf.barrier()
+bf.win_free("g")
 bf.turn_off_win_ops_with_associated_p()
 
 # -- a lazily negated view (neg bit; bytes are not values) as the window's tensor and as a put -----
