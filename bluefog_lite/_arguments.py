@@ -75,8 +75,9 @@ _UNITS = {"agent": ("rank", "src_weights", "dst_weights", "this agent itself"),
           "machine": ("machine rank", "src_machine_weights", "dst_machine_weights", "this agent's own machine")}
 
 
-def _rank(r, what, size, me=None, unit="agent"):
-    """r as an int rank among size agents (unit "machine": machine ranks among size machines)."""
+def _rank(r, what, size, me=None, unit="agent", why_not_me="self is weighted with self_weight"):
+    """r as an int rank among size agents (unit "machine": machine ranks among size
+    machines), not me (why_not_me: the end of that error)."""
     if isinstance(r, bool) or not isinstance(r, numbers.Integral):
         raise TypeError(f"{what} must be an integer rank, got {r!r}")
     r = int(r)
@@ -84,7 +85,7 @@ def _rank(r, what, size, me=None, unit="agent"):
     if not 0 <= r < size:
         raise ValueError(f"{what} {r} is out of range: there are {size} {unit}s ({rank}s 0..{size - 1})")
     if me is not None and r == me:
-        raise ValueError(f"{what} {r} is {itself}; self is weighted with self_weight")
+        raise ValueError(f"{what} {r} is {itself}; {why_not_me}")
     return r
 
 
@@ -108,7 +109,7 @@ def _ordered_ranks(ranks, what, size, me):
     """The ranks in the order given (it is the order of the result); each at most once."""
     if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
         raise TypeError(f"{what} must be a list of ranks, got {ranks!r}")
-    ranks = [_rank(r, f"rank in {what}", size, me) for r in ranks]
+    ranks = [_rank(r, f"rank in {what}", size, me, why_not_me=f"{what} lists other agents only") for r in ranks]
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{what} lists a rank twice: {ranks}")
     return ranks

@@ -181,12 +181,23 @@ def _local_allreduce(name, tensor, average, in_place):
     return _submit("ALLREDUCE", name, task)
 
 
+def _machine_local(is_hierarchical_local):
+    """Whether an allreduce is the machine-local one. A flag that is not True or
+    False goes the global way, whose prepare() refuses it, so that the other agents
+    hear of it instead of waiting for this one."""
+    try:
+        return _flag(is_hierarchical_local, "is_hierarchical_local")
+    except TypeError:
+        return False
+
+
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
-    if _flag(is_hierarchical_local, "is_hierarchical_local"):
+    if _machine_local(is_hierarchical_local):
         return _local_allreduce(name, tensor, average, False)
 
     def prepare():
+        _flag(is_hierarchical_local, "is_hierarchical_local")
         avg = _flag(average, "average")
         x = _reducible(_tensor(tensor, name), "ALLREDUCE")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
@@ -200,10 +211,11 @@ def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
-    if _flag(is_hierarchical_local, "is_hierarchical_local"):
+    if _machine_local(is_hierarchical_local):
         return _local_allreduce(name, tensor, average, True)
 
     def prepare():
+        _flag(is_hierarchical_local, "is_hierarchical_local")
         avg = _flag(average, "average")
         x = _reducible(_tensor(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")

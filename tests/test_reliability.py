@@ -224,7 +224,8 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
             ("one_agent.allreduce_dtype", 1, "TypeError", "allreduce supports"),
             ("one_agent.broadcast_root", 2, "ValueError", "root_rank 4 is out of range"),
             ("one_agent.allgather_scalar", 3, "ValueError", "at least one dimension"),
-            ("one_agent.allreduce_expanded", 0, "ValueError", "elements share memory")):
+            ("one_agent.allreduce_expanded", 0, "ValueError", "elements share memory"),
+            ("one_agent.allreduce_local_flag", 1, "TypeError", "is_hierarchical_local must be True or False, got 1")):
         raised(cases, case, exc, words, ranks=[bad])
         raised(cases, case, "ValueError", "failed on every agent because of bad input",
                f"rank {bad}: {exc}: ", words, ranks=[r for r in range(N) if r != bad])
@@ -293,6 +294,9 @@ def test_in_place_into_an_expanded_tensor(cases):
 def test_dst_weights_key_out_of_range(cases):
     raised(cases, "range.dst_weights_key", "ValueError", "rank in dst_weights 5 is out of range")
     raised(cases, "range.src_ranks_entry", "ValueError", "rank in src_ranks -1 is out of range")
+    for case in ("range.dst_ranks_self", "range.infer_self"):   # no self_weight there to point to
+        got = raised(cases, case, "ValueError", "is this agent itself; dst_ranks lists other agents only")
+        assert all(f"rank in dst_ranks {r} " in got[r] for r in range(N)), got
     raised(cases, "range.machine_weights", "ValueError", "machine rank in src_machine_weights 1 is out of range",
            "there are 1 machines (machine ranks 0..0)")
     raised(cases, "range.machine_weights_half", "ValueError", "self_weight and src_machine_weights must be given")

@@ -204,6 +204,8 @@ attempt("one_agent.allgather_scalar", lambda: bf.synchronize(bf.allgather_nonblo
     torch.ones(()) if RANK == 3 else torch.ones(1), name="one.ag")))
 attempt("one_agent.allreduce_expanded", bf.allreduce_,
         torch.ones(1).expand(4) if RANK == 0 else torch.ones(4), name="one.ar_")
+attempt("one_agent.allreduce_local_flag", bf.allreduce, X, is_hierarchical_local=1 if RANK == 1 else False,
+        name="one.ar.flag")
 check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(data(RANK)), name="one.next"),
                                                 np.mean([data(r) for r in range(SIZE)], axis=0)))
 # bad arguments to a neighbor operation on one agent (Exp-2: r sends to r+1, r+2): it
@@ -306,6 +308,8 @@ attempt("inplace.expanded.win_create", bf.win_create, torch.ones(1, 3).expand(2,
 attempt("range.dst_weights_key", bf.neighbor_allreduce, X, self_weight=0.5, src_weights={},
         dst_weights={SIZE + 1: 0.5})
 attempt("range.src_ranks_entry", bf.neighbor_allgather, X, src_ranks=[-1], dst_ranks=OUT)
+attempt("range.dst_ranks_self", bf.neighbor_allgather, X, src_ranks=IN, dst_ranks=[RANK])
+attempt("range.infer_self", bf.InferSourceFromDestinationRanks, [RANK])
 attempt("range.machine_weights", bf.hierarchical_neighbor_allreduce, X, self_weight=0.5,
         src_machine_weights={1: 0.5}, dst_machine_weights=[1])     # one machine here
 attempt("range.machine_weights_half", bf.hierarchical_neighbor_allreduce, X, self_weight=0.5)
