@@ -9,9 +9,11 @@ what asynchronous algorithms (push-sum, asynchronous SGD) are built on.
 """
 import contextlib
 import itertools
+import sys
 import time
 
 from . import _devices, _win_tasks
+from ._mpi import MPI
 from ._runtime import state
 from ._arguments import _dense, _flag, _overlaps, _rank, _tensor, _weight, _weight_dict, _writable
 
@@ -85,6 +87,15 @@ def _neighbor_weights(weights, allowed, what, direction, st, win):
     return given
 
 
+_MOST_WINDOWS_MPICH = 2000     # 2040 worked, 2100 crashed in Win.Allocate (MPICH 5.0.2, 2 agents)
+
+
+def most_windows():
+    """How many windows may exist at once: MPICH runs out of communicator context ids
+    (and crashes) a little past 2000; other MPIs are not limited here."""
+    return _MOST_WINDOWS_MPICH if MPI.get_vendor()[0] == "MPICH" else sys.maxsize
+
+
 def _create_problem(tensor, name, st, zero_init):
     """(error type name, message) for bad win_create input on this agent, or None."""
     try:
@@ -95,6 +106,10 @@ def _create_problem(tensor, name, st, zero_init):
         return "TypeError", f"name must be a non-empty string, got {name!r}"
     if name in st.windows:
         return "ValueError", f"a window named {name!r} already exists (win_free it first)"
+    if len(st.windows) >= most_windows():
+        return "ValueError", (f"{len(st.windows)} windows exist, the most this MPI allows at once (each "
+                              "window takes one of MPICH's ~2048 communicator ids; past them MPICH crashes): "
+                              "win_free some first")
     try:
         _dense(tensor)
     except TypeError as exc:

@@ -39,6 +39,10 @@ def test_async_push_sum_reaches_exact_average(nprocs, graph):
     assert "iterations per agent" in out
 
 
+def test_windows_up_to_mpich_limit_then_a_clear_error():
+    run_agents(4, "win_many.py", timeout=120)
+
+
 def test_window_errors_are_raised_everywhere_without_hanging():
     run_agents(4, "win_errors.py", timeout=120)
 
