@@ -143,9 +143,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"got {num_steps_per_communication!r}")
         state()   # before init() this raises the usual clear error
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.optimizer = optimizer
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+        self.optimizer = optimizer      # from here on, param_groups and state are the optimizer's
+        del self.__dict__["_own_param_groups"], self.__dict__["_own_state"]
         self.model = model
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._named = _named_params(model, optimizer)
@@ -183,14 +182,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self):
         return f"{type(self).__name__}({self.optimizer!r})"
 
-    # torch.optim.Optimizer contract, delegated to the wrapped optimizer
+    # torch.optim.Optimizer contract, delegated to the wrapped optimizer. param_groups and
+    # state are read through to it: its load_state_dict (also broadcast_optimizer_state
+    # on it) replaces both, and a scheduler on the wrapper must set the rates it steps with.
+    @property
+    def param_groups(self):
+        inner = self.__dict__.get("optimizer")
+        return self.__dict__["_own_param_groups"] if inner is None else inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups):     # (Optimizer.__init__ sets its own before the wrapping)
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            self.__dict__["_own_param_groups"] = groups
+        else:
+            inner.param_groups = groups
+
+    @property
+    def state(self):
+        inner = self.__dict__.get("optimizer")
+        return self.__dict__["_own_state"] if inner is None else inner.state
+
+    @state.setter
+    def state(self, value):
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            self.__dict__["_own_state"] = value
+        else:
+            inner.state = value
+
     def state_dict(self):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict):
         self.optimizer.load_state_dict(state_dict)
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -413,10 +438,18 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, group_of[id(p)])))
-        # optimizer parameters outside the model: stepped locally in step(), like
-        # the wrapped optimizer would (no communication, as in AWC)
-        self._extra = [(p, i) for i, g in enumerate(optimizer.param_groups) for p in g["params"]
-                       if id(p) not in self._name_of]
+        self._extra_of = (None, [])     # (groups' shape, _extra's list) as last found
+
+    def _extra(self):
+        """The optimizer's parameters outside the model, (param, group index): step()
+        steps them locally, as the wrapped optimizer would (no communication, as in
+        AWC). Found again when its groups change (add_param_group on it)."""
+        groups = self.optimizer.param_groups
+        shape = (id(groups), tuple(len(g["params"]) for g in groups))
+        if shape != self._extra_of[0]:
+            self._extra_of = (shape, [(p, i) for i, g in enumerate(groups) for p in g["params"]
+                                      if id(p) not in self._name_of])
+        return self._extra_of[1]
 
     def _grad_hook(self, name, group):
         def hook(p):
@@ -445,7 +478,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                                "optimizer again")
         loss = self._run_closure(closure)
         with torch.no_grad():
-            for p, group in self._extra:
+            for p, group in self._extra():
                 if p.grad is not None:
                     self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
         try:

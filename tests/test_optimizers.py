@@ -107,5 +107,7 @@ def test_two_backward_passes_before_step():
 
 def test_communication_period_and_atc_hyper_parameters_after_load_state_dict():
     """num_steps_per_communication=3: steps 3, 6, ... communicate (x after step s is
-    W^(s // 3) x0 with lr 0); ATC steps with param_groups as loaded and changed."""
+    W^(s // 3) x0 with lr 0); ATC steps with param_groups as loaded and changed; every
+    wrapper follows its optimizer reloaded (broadcast_optimizer_state) or given a new
+    group after wrapping."""
     run_agents(4, "opt_period.py", timeout=120)

@@ -6,7 +6,9 @@
    parameter is W^(s // k) x0 (W the Exp-2 mixing matrix), for AWC and ATC.
 2. After load_state_dict (what broadcast_optimizer_state does on every agent but
    the root), ATC's steps use the loaded hyper-parameters and later changes to
-   param_groups (a learning-rate schedule), not the ones it was created with.
+   param_groups (a learning-rate schedule), not the ones it was created with. Every
+   wrapper follows its optimizer reloaded after wrapping (a schedule on the wrapper
+   sets the rates its steps use) and steps a group added to it after wrapping.
 3. A parameter unfrozen after wrapping is named by the next step (it would not be
    communicated).
 4. Two wrapped models whose parameters have the same names: name_prefix."""
@@ -53,6 +55,41 @@ opt.step()
 assert torch.equal(model.weight.detach(), before), \
     f"rank {r}: ATC stepped with the learning rate it was created with, not the loaded/changed one"
 opt.remove_hooks()
+
+# 2b. The wrapped optimizer reloaded after wrapping (broadcast_optimizer_state on it, as a
+#     script that wraps first may do): the wrapper's param_groups and state are its new
+#     ones, so a schedule set on the wrapper (lr 0 from the start) is the one the steps use.
+#     Then a parameter group added to the wrapped optimizer after wrapping (a learnable
+#     scale outside the model) is stepped by every wrapper, as torch.optim would.
+for wrapper, kwargs in ((bf.DistributedAdaptWithCombineOptimizer, {"communication_type": bf.CommunicationType.empty}),
+                        (bf.DistributedAdaptThenCombineOptimizer, {"communication_type": bf.CommunicationType.empty}),
+                        (bf.DistributedGradientAllreduceOptimizer, {}),
+                        (bf.DistributedWinPutOptimizer, {"window_prefix": "reloaded"})):
+    torch.manual_seed(5)       # the same weights everywhere: averaging changes nothing
+    model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+    base = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = wrapper(base, model, **kwargs)
+    bf.broadcast_optimizer_state(base, 0)      # every agent but 0 loads new groups and state
+    assert opt.param_groups is base.param_groups and opt.state is base.state, wrapper.__name__
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)
+    before = model.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        model(data).sum().backward()
+        opt.step()
+    assert torch.equal(model.weight.detach(), before), \
+        f"rank {r}, {wrapper.__name__}: stepped with lr {base.param_groups[0]['lr']} after the schedule set 0"
+    scale, ref = torch.ones(1, dtype=torch.float64, requires_grad=True), torch.ones(1, dtype=torch.float64)
+    base.add_param_group({"params": [scale], "lr": 0.25, "momentum": 0.0})
+    for _ in range(2):
+        opt.zero_grad()
+        (model(data).sum() * scale).sum().backward()
+        ref -= 0.25 * model(data).sum().detach()
+        opt.step()
+    assert torch.allclose(scale.detach(), ref, rtol=1e-12), (r, wrapper.__name__, scale, ref)
+    opt.synchronize()
+    opt.remove_hooks()
+bf.win_free()
 
 # 3. A parameter frozen when the wrapper was made, then unfrozen: the wrapper does not
 #    communicate it, and says so at the first step that gives it a gradient
