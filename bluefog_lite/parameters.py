@@ -132,14 +132,34 @@ def broadcast_optimizer_state(optimizer, root_rank):
 
     def validated():
         root = _arguments._rank(root_rank, "root_rank", st.size)
-        if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
+        if not all(hasattr(optimizer, a) for a in ("state_dict", "load_state_dict", "param_groups")):
             raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
         kind = type(getattr(optimizer, "optimizer", optimizer)).__name__   # a wrapper's inner one
-        return root, (kind, _host_copies(optimizer.state_dict()) if st.rank == root else None)
+        shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+        return root, (kind, shapes, _host_copies(optimizer.state_dict()) if st.rank == root else None)
     root, views = ops._negotiate("broadcast.optimizer_state", validated)
-    kinds = {r: kind for r, (kind, _) in enumerate(views)}
+    kinds = {r: kind for r, (kind, _, _) in enumerate(views)}
     if len(set(kinds.values())) > 1:
         raise ValueError("broadcast_optimizer_state: agents passed different optimizers ("
                          + ", ".join(f"rank {r}: {k}" for r, k in kinds.items()) + ")")
+    _same_parameters([shapes for _, shapes, _ in views])
     if st.rank != root:
-        optimizer.load_state_dict(views[root][1])
+        optimizer.load_state_dict(views[root][2])
+
+
+def _same_parameters(shapes_of):
+    """Raise on every agent unless all optimizers (rank r's parameter shapes per group:
+    shapes_of[r]) hold the same parameters: torch's load_state_dict would fail on some
+    agents only, or load state of one shape into a parameter of another."""
+    if all(shapes == shapes_of[0] for shapes in shapes_of):
+        return
+    counts = [[len(g) for g in shapes] for shapes in shapes_of]
+    if any(c != counts[0] for c in counts):
+        what = "parameter groups of " + ", ".join(f"rank {r}: {c} parameters" for r, c in enumerate(counts))
+    else:
+        g, i = next((g, i) for g, group in enumerate(shapes_of[0]) for i in range(len(group))
+                    if len({shapes[g][i] for shapes in shapes_of}) > 1)
+        what = (f"parameter {i} of group {g} has shape "
+                + ", ".join(f"rank {r}: {list(shapes[g][i])}" for r, shapes in enumerate(shapes_of)))
+    raise ValueError(f"broadcast_optimizer_state: the agents' optimizers hold different parameters ({what}); "
+                     "every agent must build the same model and optimizer")

@@ -275,6 +275,13 @@ def test_parameter_helpers_check_every_agents_parameters_first(cases):
            "rank 3: ValueError: root_rank 4 is out of range", ranks=[0, 1, 2])
     raised(cases, "params.optimizer_kind", "ValueError", "agents passed different optimizers",
            "rank 1: SGD", "rank 2: Adam")
+    # optimizers holding other parameters: one error on every agent (torch's load_state_dict
+    # failed on some agents only, with its own words)
+    raised(cases, "params.optimizer_groups", "ValueError", "the agents' optimizers hold different parameters",
+           "rank 0: [2] parameters", "rank 1: [1, 1] parameters", "every agent must build the same model")
+    raised(cases, "params.optimizer_shapes", "ValueError", "the agents' optimizers hold different parameters",
+           "parameter 0 of group 0 has shape rank 0: [2, 2]", "rank 2: [2, 3]")
+    raised(cases, "params.optimizer_module", "TypeError", "broadcast_optimizer_state needs an optimizer, got Linear")
     assert cases.of("params.after_errors") == {r: "OK" for r in range(N)}
     raised(cases, "params.expanded", "ValueError", "allreduce_parameters: parameter 'b': the tensor's elements "
            "share memory", ranks=[1])

@@ -263,6 +263,11 @@ attempt("params.optimizer_root", bf.broadcast_optimizer_state,
         torch.optim.SGD(MODEL.parameters(), lr=0.1), SIZE if RANK == 3 else 0)
 attempt("params.optimizer_kind", bf.broadcast_optimizer_state,
         (torch.optim.Adam if RANK == 2 else torch.optim.SGD)(MODEL.parameters(), lr=0.1), 0)
+attempt("params.optimizer_groups", bf.broadcast_optimizer_state,
+        torch.optim.SGD([{"params": [p]} for p in MODEL.parameters()] if RANK == 1 else MODEL.parameters(), lr=0.1), 0)
+attempt("params.optimizer_shapes", bf.broadcast_optimizer_state,
+        torch.optim.SGD(torch.nn.Linear(3 if RANK == 2 else 2, 2).parameters(), lr=0.1), 0)
+attempt("params.optimizer_module", bf.broadcast_optimizer_state, MODEL, 0)
 # a parameter the result cannot be written into (on one agent), checked before any is changed
 MINE = torch.full((2,), float(RANK))
 attempt("params.expanded", bf.allreduce_parameters,
