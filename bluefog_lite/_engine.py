@@ -192,7 +192,7 @@ class Engine(CallerDrive, StallInspector):
                 self._names.add(name)
             self._ops[op.handle] = op
             if tl.current is not None:
-                tl.begin(name, "ENQUEUE_" + kind)
+                tl.begin_here(name, "ENQUEUE_" + kind)
             self._queue.append(op)
         if not inline:
             self._ring_if_asleep()

@@ -13,6 +13,11 @@ def _check(value, what):
         raise TypeError(f"{what} must be a non-empty string, got {value!r}")
 
 
+# (tensor_name, thread ident) -> names of the activities timeline_start_activity opened
+# there and timeline_end_activity has not closed, innermost last
+_open = {}
+
+
 def timeline_start_activity(tensor_name, activity_name):
     """Open a span named activity_name on tensor_name's row. True if recorded."""
     _check(tensor_name, "tensor_name")
@@ -20,17 +25,30 @@ def timeline_start_activity(tensor_name, activity_name):
     rec = _recorder.current
     if rec is None:
         return False
-    rec.begin(tensor_name, activity_name)
+    tid = threading.get_ident()
+    rec.know_thread(tid)
+    rec.begin_scoped(tensor_name, activity_name, tid)
+    _open.setdefault((tensor_name, tid), []).append(activity_name)
     return True
 
 
 def timeline_end_activity(tensor_name):
-    """Close the innermost span open on tensor_name's row by this thread. True if recorded."""
+    """Close the innermost activity this thread opened on tensor_name's row with
+    timeline_start_activity (never a span of the library's, such as an operation's
+    ENQUEUE_ on that row). True if recorded; False with the timeline off or no such
+    activity open."""
     _check(tensor_name, "tensor_name")
     rec = _recorder.current
     if rec is None:
         return False
-    rec.end(tensor_name)
+    tid = threading.get_ident()
+    names = _open.get((tensor_name, tid))
+    if not names:
+        return False
+    activity = names.pop()
+    if not names:
+        del _open[(tensor_name, tid)]
+    rec.end(tensor_name, tid, activity)
     return True
 
 
@@ -51,6 +69,7 @@ class timeline_context:
         if rec is None:
             return False
         self._tid = threading.get_ident()
+        rec.know_thread(self._tid)
         rec.begin_scoped(self.tensor_name, self.activity_name, self._tid)
         return True
 

@@ -68,6 +68,13 @@ class Recorder:
     def name_thread(self, name, tid=None):
         self.thread_names[tid or _ident()] = name
 
+    def know_thread(self, tid):
+        """Keep the calling thread's (tid's) Python name for the writer, which names
+        rows when it formats: a short-lived thread may be gone by then."""
+        if tid not in self.thread_names:
+            t = threading.current_thread()
+            self.thread_names[tid] = "main" if t is threading.main_thread() else t.name
+
 
 # The module-level functions append directly (one Python call less per event).
 
@@ -75,6 +82,15 @@ def begin(tensor_name, activity, tid=None):
     rec = current
     if rec is not None:
         rec.events.append(("B", now_ns(), tensor_name, activity, tid or _ident()))
+
+
+def begin_here(tensor_name, activity):
+    """begin on the calling thread, keeping its name (see Recorder.know_thread)."""
+    rec = current
+    if rec is not None:
+        tid = _ident()
+        rec.know_thread(tid)
+        rec.events.append(("B", now_ns(), tensor_name, activity, tid))
 
 
 def end(tensor_name, tid=None, activity=None):

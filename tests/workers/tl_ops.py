@@ -1,5 +1,8 @@
 """Every kind of operation, user activities and a hooked model, with the timeline on
 (BLUEFOG_TIMELINE set by the test, which then checks the files)."""
+import threading
+import time
+
 import networkx as nx
 import torch
 
@@ -42,6 +45,28 @@ assert bf.timeline_start_activity("user", "LOAD_DATA") is True
 assert bf.timeline_end_activity("user") is True
 with bf.timeline_context("user", "EVALUATE") as on:
     assert on is True
+
+# a user activity on an operation's row, ended while the operation waits for its
+# neighbors (ranks 1.. start 0.1 s later): the end closes the activity, and the
+# operation's ENQUEUE_ still ends when the operation does
+if r:
+    time.sleep(0.1)
+assert bf.timeline_start_activity("shared.row", "PREPARE") is True
+h = bf.neighbor_allreduce_nonblocking(x, name="shared.row")
+assert bf.timeline_end_activity("shared.row") is True
+assert bf.timeline_end_activity("shared.row") is False     # none of the user's left open there
+bf.synchronize(h)
+
+
+def load():
+    with bf.timeline_context("loader.row", "READ"):
+        pass
+
+
+# a thread that records and ends before the writer next formats keeps its name
+loader = threading.Thread(target=load, name="data-loader")
+loader.start()
+loader.join()
 
 torch.manual_seed(r)
 model = torch.nn.Sequential(
