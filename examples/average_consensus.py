@@ -1,7 +1,7 @@
 """Average consensus: every agent starts with its own vector and repeatedly averages
 with its neighbors (neighbor_allreduce) until all agree on the global mean.
 
-    bfrun -np 4 python examples/average_consensus.py [--dynamic] [--steps 30]
+    bfrun -np 4 python examples/average_consensus.py [--dynamic] [--short] [--steps 30]
 
 Static mode mixes over the Exp-2 graph; --dynamic uses the one-peer Exp-2 schedule
 (each step every agent talks to a single neighbor), which reaches the exact average
@@ -20,10 +20,13 @@ import topology as topo
 def main():
     ap = argparse.ArgumentParser(description="average consensus with neighbor_allreduce")
     ap.add_argument("--dynamic", action="store_true", help="one-peer dynamic Exp-2 schedule")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--dim", type=int, default=100000)
+    ap.add_argument("--short", action="store_true", help="a quick run: 10 steps of 1000 entries")
+    ap.add_argument("--steps", type=int, default=None, help="default 30 (10 with --short)")
+    ap.add_argument("--dim", type=int, default=None, help="entries per agent: default 100000 (1000 with --short)")
     ap.add_argument("--save", default=None, help="write the agents' final vectors (one row each) to this .npy file")
     args = ap.parse_args()
+    args.steps = args.steps if args.steps is not None else 10 if args.short else 30
+    args.dim = args.dim if args.dim is not None else 1000 if args.short else 100000
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
     bf_rank, bf_size = bf.rank(), bf.size()

@@ -16,7 +16,7 @@ LOGISTIC = ["logistic_regression_dsgd", "logistic_regression_gradient_tracking",
             "logistic_regression_exact_diffusion", "logistic_regression_push_diging"]
 out_dir = sys.argv[1]
 RUNS = [(label, module, args + ["--save", os.path.join(out_dir, label + ".npy")]) for label, module, args in (
-    ("consensus_static", "average_consensus", ["--steps", "10", "--dim", "1000"]),
+    ("consensus_static", "average_consensus", ["--short"]),                  # 10 steps, 1000 entries
     ("consensus_dynamic", "average_consensus", ["--dynamic", "--steps", "4", "--dim", "1000"]),
     ("push_sum", "average_consensus_push_sum", ["--short"]))]
 RUNS += [(name, name, ["--short", "--save", os.path.join(out_dir, name + ".npy")]) for name in LOGISTIC]
