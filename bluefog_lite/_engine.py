@@ -151,6 +151,7 @@ class Engine(CallerDrive, StallInspector):
         self._coll_next = 0            # lowest collective not yet posted
         self._coll_released = set()
         self._stopping = False
+        self._stop_seen = False     # the loop has looked once since stop() began (_sleep)
         self._sleeping = False         # the loop is (about to be) asleep: ring to wake it
         self._rung = False             # a caller has rung since the loop last went to sleep
         self._drive = threading.Lock()  # held by the thread running the loop (see the module doc)
@@ -256,8 +257,10 @@ class Engine(CallerDrive, StallInspector):
         self._thread.join(max(self.stall_warning_s, 1.0))
         _ABANDONED.extend(self.stream.failed_sends)
         if self._thread.is_alive():
+            with self._lock:     # (done but never synchronized is not in flight)
+                unfinished = sorted({op.name for op in self._ops.values() if not op.is_done()})
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
-                             f"still in flight: {sorted(self._names)}\n")
+                             f"still in flight: {unfinished}\n")
             return
         try:
             self.report_untaken(self._caller_status)
@@ -381,7 +384,12 @@ class Engine(CallerDrive, StallInspector):
         self._sleeping = True     # set before looking at the queue: a submit after the look rings
         bell.asleep(ANYTHING if news else URGENT_ONLY)
         try:
-            if self._queue or self._stopping or self._progress(status):
+            if self._queue or self._progress(status):
+                return True
+            if self._stopping and not self._stop_seen:
+                # once, so that stop()'s wake is not slept through; after that the loop
+                # sleeps as usual while operations still in flight finish (or not)
+                self._stop_seen = True
                 return True
             if caller:
                 bell.wait(timeout)
@@ -390,7 +398,7 @@ class Engine(CallerDrive, StallInspector):
             if bell.sock is None:
                 try:
                     with self._cv:
-                        if not self._queue and not self._stopping:
+                        if not self._queue and not (self._stopping and not self._stop_seen):
                             self._cv.wait(timeout)
                 finally:
                     self._drive.acquire()

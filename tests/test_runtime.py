@@ -112,5 +112,11 @@ def test_an_operation_timing_out_inside_a_posted_mpi_call_keeps_its_memory_for_m
     run_agents(1, "runtime_timeout_posted.py", timeout=60, env={"BLUEFOG_OP_TIMEOUT_S": "0.5"})
 
 
+def test_shutdown_waiting_for_an_unfinished_operation_does_not_spin():
+    _, out = run_agents(2, "runtime_stop_sleeps.py", timeout=60, untaken_ok=True,
+                        env={"BLUEFOG_STALL_WARNING_S": "2"})
+    assert "shutdown with operations still in flight: ['lonely']" in out
+
+
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
