@@ -118,5 +118,9 @@ def test_shutdown_waiting_for_an_unfinished_operation_does_not_spin():
     assert "shutdown with operations still in flight: ['lonely']" in out
 
 
+def test_a_busy_poll_loop_lets_the_communication_thread_run():
+    run_agents(2, "runtime_poll_loop.py", timeout=90)
+
+
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
