@@ -12,7 +12,7 @@ import itertools
 import sys
 import time
 
-from . import _devices, _win_tasks
+from . import _devices, _win_tasks, ops
 from ._mpi import MPI
 from ._runtime import state
 from ._arguments import _dense, _flag, _overlaps, _rank, _tensor, _weight, _weight_dict, _writable
@@ -173,8 +173,9 @@ def _submit(win, kind, prepare, blocking=False):
 
 
 def win_poll(handle):
-    """True when the nonblocking window operation behind handle has finished."""
-    return state().engine.poll(handle)
+    """True when the nonblocking window operation behind handle has finished (a
+    False gives the CPU away for a moment, as ops.poll does)."""
+    return ops.poll(handle)
 
 
 def win_wait(handle):
