@@ -82,7 +82,7 @@ def _drain(iterator):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "caller_tid", "fuse", "riders", "inline", "reserved", "deliver")
+                 "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -98,6 +98,7 @@ class Op:
         self._pending.acquire()
         self.finished_task = False
         self.coll_seq = None
+        self.collective = False   # it took a place in the agents' sequence of collectives
         self.caller_tid = _get_ident()
         self.inline = False    # submitted unannounced: its synchronize runs the loop (or rings)
         self.reserved = True   # its name is in Engine._names until synchronized
@@ -150,6 +151,8 @@ class Engine(CallerDrive, StallInspector):
         self._coll_seq = 0             # next collective sequence number (comm thread)
         self._coll_next = 0            # lowest collective not yet posted
         self._coll_released = set()
+        # why collectives can no longer run on this agent (a collective of it timed out), or None
+        self.collectives_broken = None
         self._stopping = False
         self._stop_seen = False     # the loop has looked once since stop() began (_sleep)
         self._sleeping = False         # the loop is (about to be) asleep: ring to wake it
@@ -287,6 +290,9 @@ class Engine(CallerDrive, StallInspector):
         self.stream.queue_object(dst, key, obj)
 
     def next_collective(self, op):
+        if self.collectives_broken is not None:
+            raise RuntimeError(f"{op.kind} {op.name!r} cannot run: {self.collectives_broken}")
+        op.collective = True
         op.coll_seq = self._coll_seq
         self._coll_seq += 1
         return op.coll_seq

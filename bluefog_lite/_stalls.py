@@ -144,6 +144,15 @@ class StallInspector:
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
                     f"waiting {self._waiting_for(op)}{self._stray_hint(op)}")
+                if op.collective:
+                    # The late agents may still make this collective's MPI call, which
+                    # would pair with this agent's next one and mix their data
+                    self.collectives_broken = (
+                        f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank}), "
+                        "so its collectives are out of step with the other agents' (a late agent may still "
+                        "make that call's MPI collective, which would pair with this agent's next one and "
+                        "mix their data); no collective can run on it any more in this run (neighbor "
+                        "operations and window puts, gets and updates still can)")
                 if isinstance(op.wait, Requests):
                     # A posted MPI call still reads and writes its buffers (an in-place
                     # target included) until it completes: the task, whose frame holds

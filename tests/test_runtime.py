@@ -104,6 +104,10 @@ def test_after_a_caught_timeout_the_next_op_of_that_name_gets_fresh_data():
     run_agents(4, "runtime_timeout_stale.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
 
+def test_after_a_collective_times_out_later_collectives_refuse_instead_of_mixing_calls():
+    run_agents(4, "runtime_timeout_collective.py", timeout=90, untaken_ok=True, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+
+
 def test_a_fused_group_that_times_out_fails_every_member_and_leaves_no_stale_data():
     run_agents(4, "runtime_timeout_fused.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
