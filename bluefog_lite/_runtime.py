@@ -190,7 +190,13 @@ def shutdown():
         return
     from .timeline import _control
     from . import windows
-    windows.win_free()
+    try:
+        windows.win_free()
+    except RuntimeError as exc:     # (win_free is a collective: none runs after one timed out)
+        if _state.engine.collectives_broken is None:
+            raise
+        sys.stderr.write(f"bluefog_lite WARNING (rank {_state.rank}): shutdown could not free the windows "
+                         f"{sorted(_state.windows)}: {exc}\n")
     _state.engine.stop()
     _control.stop_timeline()
     _state.departures.leave()

@@ -105,7 +105,9 @@ def test_after_a_caught_timeout_the_next_op_of_that_name_gets_fresh_data():
 
 
 def test_after_a_collective_times_out_later_collectives_refuse_instead_of_mixing_calls():
-    run_agents(4, "runtime_timeout_collective.py", timeout=90, untaken_ok=True, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+    _, out = run_agents(4, "runtime_timeout_collective.py", timeout=90, untaken_ok=True,
+                        env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+    assert out.count("shutdown could not free the windows ['kept']: WIN_FREE 'win_free' cannot run") == 4, out
 
 
 def test_a_fused_group_that_times_out_fails_every_member_and_leaves_no_stale_data():

@@ -3,7 +3,8 @@ time out in allreduce 'ar1' before rank 3 joins it; rank 3 then makes its MPI ca
 which would pair with their next allreduce and mix the two calls' data (it did:
 'ar2' returned a wrong average on ranks 0-2, without an error). Now every agent
 where a collective timed out refuses later collectives with a RuntimeError naming
-it, and neighbor operations still give the right values."""
+it, and neighbor operations still give the right values; shutdown, which cannot free
+the window left (freeing is a collective), warns and ends."""
 import sys
 import time
 
@@ -15,6 +16,7 @@ import topology
 
 bf.init(topology_fn=topology.RingGraph)
 r, n = bf.rank(), bf.size()
+bf.win_create(torch.zeros(2), "kept")    # shutdown cannot free it (a collective): it says so
 t0 = time.monotonic()
 if r == n - 1:
     time.sleep(3.5)                      # BLUEFOG_OP_TIMEOUT_S=2: the others give up first
