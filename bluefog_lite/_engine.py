@@ -552,8 +552,10 @@ class Engine(CallerDrive, StallInspector):
         """Resume a polled op (Turn, Requests, Sleep) if ready; finish an op whose
         sends are done."""
         if op.finished_task:
-            if op.data_requests and not all(r.Test() for r, _ in op.data_requests):
-                return False
+            if op.data_requests:     # (the ones still pending: their receivers, for Departures)
+                op.data_requests = [sent for sent in op.data_requests if not sent[0].Test()]
+                if op.data_requests:
+                    return False
             self._finish(op)
             return True
         w = op.wait

@@ -80,10 +80,11 @@ def _abort_job():
 
 
 def _abort_for_departed(op, departed_rank):
+    waits = (f"waits for rank {departed_rank} to take the tensor it sent, but rank {departed_rank}"
+             if op.finished_task else f"waits for rank {departed_rank}, which")
     sys.stderr.write(
-        f"bluefog_lite: rank {_state.rank}: {op.kind} {op.name!r} waits for rank {departed_rank}, which "
-        f"has left the job (its program ended, called sys.exit() or bf.shutdown()) without joining "
-        f"this operation; aborting the job\n")
+        f"bluefog_lite: rank {_state.rank}: {op.kind} {op.name!r} {waits} has left the job (its program ended, "
+        f"called sys.exit() or bf.shutdown()) without joining this operation; aborting the job\n")
     sys.stderr.flush()
     _abort_job()
 

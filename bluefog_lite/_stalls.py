@@ -55,16 +55,21 @@ class StallInspector:
     """The Engine's stall inspection and the clean-up after a timeout."""
 
     def waiting_for_data(self):
-        """[(op, its wait, ranks whose data it lacks, waiting since)] for the active ops
-        that wait to receive. Safe to call from another thread: a snapshot that races
-        with the loop changing its state comes back empty (ask again later)."""
+        """[(op, its wait, ranks it waits for, waiting since)] for the active ops that
+        wait to receive (the ranks whose data they lack) or for their large sends to
+        be taken (the receivers that have not: a send to an agent that has left never
+        completes). Safe to call from another thread: a snapshot that races with the
+        loop changing its state comes back empty (ask again later)."""
         found = []
         try:
             for op in list(self._active):
                 wait = op.wait
-                if op.finished_task or not isinstance(wait, Recv):
+                if op.finished_task:
+                    missing = sorted({dst for _, (_, dst) in op.data_requests})
+                elif isinstance(wait, Recv):
+                    missing = self._lacking(wait)
+                else:
                     continue
-                missing = self._lacking(wait)
                 if missing:
                     found.append((op, wait, missing, op.waiting_since))
         except (RuntimeError, KeyError, IndexError, AttributeError):
@@ -115,7 +120,8 @@ class StallInspector:
         """What op waits for, as it reads after "waited 60.0 s " or "waiting "."""
         w = op.wait
         if op.finished_task:
-            return "for the completion of its own sends (a receiver has not taken them)"
+            receivers = sorted({dst for _, (_, dst) in op.data_requests})
+            return f"for the completion of its own sends (ranks {receivers} have not taken them)"
         if isinstance(w, Recv):
             return f"for ranks {self._lacking(w)}"
         if isinstance(w, Turn):
@@ -139,7 +145,7 @@ class StallInspector:
                     f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
                     f"waited {waited:.1f} s {what}\n")
                 sys.stderr.flush()
-            if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.finished_task:
+            if self.op_timeout_s > 0 and waited > self.op_timeout_s:
                 op.error = OpTimeout(
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "

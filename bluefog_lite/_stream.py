@@ -341,10 +341,11 @@ class StreamEndpoint:
 
     def _send_data(self, dst, tag, raw, tensor, data_requests):
         """The data message of a large entry whose descriptor is sent; tensor is kept
-        alive with its request until MPI has read it."""
+        alive with its request until MPI has read it, beside dst (who has not taken it:
+        Engine.waiting_for_data)."""
         self.urgent.add(dst)
         self.stats["data_messages"] += 1
-        data_requests.append((self.comm.Isend([raw, raw.nbytes, MPI.BYTE], dst, tag), tensor))
+        data_requests.append((self.comm.Isend([raw, raw.nbytes, MPI.BYTE], dst, tag), (tensor, dst)))
 
     def queue_object(self, dst, key, obj):
         box = self.outboxes.get(dst)

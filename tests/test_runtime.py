@@ -21,7 +21,7 @@ def test_stall_warning_names_op_and_missing_rank():
 def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its_start():
     _, out = run_agents(4, "runtime_stall.py", "sends", timeout=90, env={"BLUEFOG_STALL_WARNING_S": "1"})
     warned = re.findall(r"rank 0\): NEIGHBOR_ALLREDUCE '(oneway\.\w+)' has waited ([\d.]+) s for "
-                        r"the completion of its own sends \(a receiver has not taken them\)", out)
+                        r"the completion of its own sends \(ranks \[[\d, ]+\] have not taken them\)", out)
     assert sorted(name for name, _ in warned) == ["oneway.loop", "oneway.quick"], out
     assert all(1.0 < float(s) < 3.0 for _, s in warned), out
 
@@ -29,9 +29,10 @@ def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its
 class _Stalled:
     """An operation as the stall inspector sees it."""
 
-    def __init__(self, name, wait, finished_task=False):
+    def __init__(self, name, wait, finished_task=False, sent_to=()):
         self.kind, self.name, self.wait, self.finished_task = "ALLREDUCE", name, wait, finished_task
         self.waiting_since, self.warned, self.riders = 0.0, False, ()
+        self.data_requests = [(None, (None, dst)) for dst in sent_to]    # (request, (tensor, receiver))
 
 
 class _Inspector(StallInspector):
@@ -48,14 +49,14 @@ def test_stall_warning_says_what_an_operation_waits_for(capsys):
     collective inside MPI, or behind an earlier collective, has none to name)."""
     ops = [_Stalled("a", Recv([(1, "a"), (2, "a"), (3, "a")])), _Stalled("b", Turn(4)),
            _Stalled("c", Requests([], "MPI_Iallreduce")), _Stalled("d", Sleep(0.0, "a neighbor's mutex")),
-           _Stalled("e", Recv([(2, "e")]), finished_task=True)]
+           _Stalled("e", Recv([(2, "e")]), finished_task=True, sent_to=[3, 1, 3])]
     _Inspector(ops)._inspect_stalls(10.0)
     said = dict(re.findall(r"ALLREDUCE '(\w)' has waited 10.0 s (.*)", capsys.readouterr().err))
     assert said == {"a": "for ranks [2, 3] that have not joined it",
                     "b": "for an earlier collective operation of this agent, which must start first",
                     "c": "inside MPI_Iallreduce (MPI does not say for which ranks)",
                     "d": "for a neighbor's mutex",
-                    "e": "for the completion of its own sends (a receiver has not taken them)"}, said
+                    "e": "for the completion of its own sends (ranks [1, 3] have not taken them)"}, said
 
 
 def test_stall_of_senders_and_receivers_that_disagree_names_the_unexpected_sender():
@@ -122,6 +123,17 @@ def test_shutdown_waiting_for_an_unfinished_operation_does_not_spin():
     _, out = run_agents(2, "runtime_stop_sleeps.py", timeout=60, untaken_ok=True,
                         env={"BLUEFOG_STALL_WARNING_S": "2"})
     assert "shutdown with operations still in flight: ['lonely']" in out
+
+
+def test_a_send_never_taken_times_out_and_the_receiver_still_gets_it():
+    run_agents(2, "runtime_send_waits.py", "timeout", timeout=60, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
+
+
+def test_a_send_to_an_agent_that_left_without_taking_it_ends_the_job():
+    rc, out = run_agents(2, "runtime_send_waits.py", "departed", timeout=60, expect_ok=False)
+    assert rc != 0
+    assert ("rank 0: NEIGHBOR_ALLREDUCE 'oneway' waits for rank 1 to take the tensor it sent, but rank 1 has "
+            "left the job") in out, out
 
 
 def test_a_busy_poll_loop_lets_the_communication_thread_run():
