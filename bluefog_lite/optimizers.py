@@ -33,9 +33,24 @@ class CommunicationType(enum.Enum):
     empty = "empty"
 
 
+def _one_model(model):
+    """(the module a wrapper works on, the models the user passed). A list or tuple
+    of modules (Bluefog's other form: a GAN's generator and discriminator, say) is
+    held in one torch.nn.ModuleList, so its parameters are named with the model's
+    index in front (0.weight, 1.weight): names never clash."""
+    if isinstance(model, (list, tuple)):
+        if not model or not all(isinstance(m, torch.nn.Module) for m in model):
+            raise TypeError("model must be a torch.nn.Module or a non-empty list of them, got "
+                            f"[{', '.join(type(m).__name__ for m in model)}]")
+        if len({id(m) for m in model}) != len(model):
+            raise ValueError("model lists the same module twice")
+        return torch.nn.ModuleList(model), list(model)
+    return model, [model]
+
+
 def _named_params(model, optimizer):
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"model must be a torch.nn.Module or a list of them, got {type(model).__name__}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
     missing = [n for n, p in named if id(p) not in in_opt]
@@ -142,6 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"num_steps_per_communication must be a positive integer, "
                              f"got {num_steps_per_communication!r}")
         state()   # before init() this raises the usual clear error
+        model, self._models = _one_model(model)
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer      # from here on, param_groups and state are the optimizer's
         del self.__dict__["_own_param_groups"], self.__dict__["_own_state"]
@@ -155,8 +171,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for n, _ in self._named:
                 ops.check_name(n, "parameter name", "rename the parameter or give the wrapper a name_prefix "
                                "(the wrapper runs its communication under the name)")
-        _check_not_wrapped(model)
-        _wrapper_of[model] = weakref.ref(self)
+        for m in self._models:
+            _check_not_wrapped(m)
+        for m in self._models:
+            _wrapper_of[m] = weakref.ref(self)
         self._name_of = {id(p): n for n, p in self._named}
         self._param_of = dict(self._named)
         self._handles = {}          # param name -> (param, handle)
@@ -338,11 +356,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the model's compute spans are recorded while one is open, by hooks this
         wrapper installs unless the model has them already (hooks.py)."""
         if _timeline.configured() and self._hooks is not None:
-            if self._timeline_hooks is None or not self._timeline_hooks.handles:
-                self._timeline_hooks = install_unless_present(self.model, self._prefix)
+            if not any(h.handles for h in self._timeline_hooks or ()):
+                self._timeline_hooks = [h for h in (install_unless_present(m, prefix)
+                                                    for m, prefix in self._hooked_models()) if h is not None] or None
         elif self._timeline_hooks is not None:
-            self._timeline_hooks.remove()
+            for h in self._timeline_hooks:
+                h.remove()
             self._timeline_hooks = None
+
+    def _hooked_models(self):
+        """(module, prefix of its parameters' names) that get the timeline's hooks: each
+        model the user passed (a ModuleList is never called: its models are)."""
+        if self._models == [self.model]:
+            return [(self.model, self._prefix)]
+        return [(m, f"{self._prefix}{i}.") for i, m in enumerate(self._models)]
 
     def remove_hooks(self):
         """Remove every hook this wrapper installed (for good: a timeline opened later
@@ -413,7 +440,7 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
                  num_steps_per_communication=1, name_prefix=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication, name_prefix=name_prefix)
-        self._launch_after_forward(model, self._launch)
+        self._launch_after_forward(self.model, self._launch)
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
@@ -572,7 +599,7 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication)
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)
-        self._launch_after_forward(model, self._put)
+        self._launch_after_forward(self.model, self._put)
 
     def _put(self, name, p):
         self._check_no_pending(name)

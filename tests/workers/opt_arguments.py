@@ -23,7 +23,13 @@ AWC, ATC = bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombi
 GAR, WINPUT = bf.DistributedGradientAllreduceOptimizer, bf.DistributedWinPutOptimizer
 for wrapper in (AWC, ATC, GAR, WINPUT):
     raises(TypeError, "optimizer must be a torch.optim.Optimizer, got Linear", wrapper, net, net)
-    raises(TypeError, "model must be a torch.nn.Module, got list", wrapper, sgd(net.parameters()), [net])
+    raises(TypeError, "model must be a torch.nn.Module or a list of them, got dict", wrapper,
+           sgd(net.parameters()), {"net": net})
+    listed = wrapper(sgd(net.parameters()), [net])      # a list of models: index in front of the names
+    assert [n for n, _ in listed._named] == ["0.weight", "0.bias"], listed._named
+    listed.remove_hooks()
+    if wrapper is WINPUT:
+        listed.free_windows()
     raises(ValueError, "num_steps_per_communication must be a positive integer, got 0", wrapper,
            sgd(net.parameters()), net, num_steps_per_communication=0)
     raises(ValueError, "num_steps_per_communication must be a positive integer, got 1.5", wrapper,

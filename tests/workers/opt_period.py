@@ -11,7 +11,8 @@
    sets the rates its steps use) and steps a group added to it after wrapping.
 3. A parameter unfrozen after wrapping is named by the next step (it would not be
    communicated).
-4. Two wrapped models whose parameters have the same names: name_prefix."""
+4. Two wrapped models whose parameters have the same names: name_prefix; or one wrapper
+   over the list of both."""
 import numpy as np
 import torch
 
@@ -160,6 +161,37 @@ for k, m in enumerate(models):
     assert np.allclose(m[0].weight.detach().numpy().ravel(), want, rtol=1e-12), (r, k, m[0].weight, want)
 for o in opts:
     o.remove_hooks()
+
+# ... and one wrapper over the list of both (Bluefog's other form of model): each model's
+# index goes in front of its names, both are averaged; a second wrapper on one of them is
+# refused while the first one's hooks are in place; bad lists are named
+models, _ = pair()
+for o in _:
+    o.remove_hooks()
+opt = bf.DistributedAdaptWithCombineOptimizer(
+    torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.0), models)
+assert [n for n, _ in opt._named] == ["0.0.weight", "1.0.weight"], opt._named
+for m in models:
+    m.zero_grad()
+    m(data).sum().backward()
+opt.step()
+for k, m in enumerate(models):
+    want = (W.T @ (x0 * (k + 1)))[r]
+    assert np.allclose(m[0].weight.detach().numpy().ravel(), want, rtol=1e-12), (r, k, m[0].weight, want)
+try:
+    bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.0), models[1])
+    raise AssertionError("a second wrapper on a listed model was accepted")
+except ValueError as exc:
+    assert "already has a DistributedAdaptWithCombineOptimizer" in str(exc), exc
+opt.remove_hooks()
+for bad, exc, words in (([models[0], "D"], TypeError, "a non-empty list of them, got [Sequential, str]"),
+                        ([], TypeError, "a non-empty list of them"),
+                        ([models[0], models[0]], ValueError, "model lists the same module twice")):
+    try:
+        bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.0), bad)
+        raise AssertionError(f"model={bad!r} accepted")
+    except exc as e:
+        assert words in str(e), e
 
 bf.barrier()
 print(f"AGENT OK {r}", flush=True)

@@ -128,5 +128,15 @@ for step in range(3):
     net(torch.randn(4, 8)).pow(2).mean().backward()
     opt.step()
 opt.free_windows()
+# a list of models (Bluefog's other form): named with each model's index in the list,
+# the compute spans on the same rows as the communication
+gen, disc = Net("gen"), Net("disc")
+opt = bf.DistributedAdaptWithCombineOptimizer(
+    torch.optim.SGD(list(gen.parameters()) + list(disc.parameters()), lr=0.01), [gen, disc], name_prefix="pair")
+for step in range(3):
+    opt.zero_grad()
+    disc(gen(torch.randn(4, 8)).expand(4, 8)).pow(2).mean().backward()
+    opt.step()
+opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {r}", flush=True)
