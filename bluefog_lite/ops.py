@@ -88,7 +88,8 @@ def poll(handle):
     """True when the operation behind handle has finished (result ready). False
     also gives the CPU and the interpreter away for a moment (os.sched_yield), so
     that a `while not poll(h)` loop lets the communication thread run: it waited
-    for the switch interval (5 ms) at each step, 300 calls took 9 s instead of 0.1 s."""
+    for the switch interval (5 ms) at each step; 300 calls at 4 agents took 6.8 s
+    instead of 0.33 s."""
     if state().engine.poll(handle):
         return True
     os.sched_yield()
@@ -188,23 +189,12 @@ def _local_allreduce(name, tensor, average, in_place):
     return _submit("ALLREDUCE", name, task)
 
 
-def _machine_local(is_hierarchical_local):
-    """Whether an allreduce is the machine-local one. A flag that is not True or
-    False goes the global way, whose prepare() refuses it, so that the other agents
-    hear of it instead of waiting for this one."""
-    try:
-        return _flag(is_hierarchical_local, "is_hierarchical_local")
-    except TypeError:
-        return False
-
-
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
-    if _machine_local(is_hierarchical_local):
+    if _flag(is_hierarchical_local, "is_hierarchical_local"):
         return _local_allreduce(name, tensor, average, False)
 
     def prepare():
-        _flag(is_hierarchical_local, "is_hierarchical_local")
         avg = _flag(average, "average")
         x = _reducible(_tensor(tensor, name), "ALLREDUCE")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
@@ -218,11 +208,10 @@ def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
-    if _machine_local(is_hierarchical_local):
+    if _flag(is_hierarchical_local, "is_hierarchical_local"):
         return _local_allreduce(name, tensor, average, True)
 
     def prepare():
-        _flag(is_hierarchical_local, "is_hierarchical_local")
         avg = _flag(average, "average")
         x = _reducible(_tensor(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")

@@ -204,8 +204,6 @@ attempt("one_agent.allgather_scalar", lambda: bf.synchronize(bf.allgather_nonblo
     torch.ones(()) if RANK == 3 else torch.ones(1), name="one.ag")))
 attempt("one_agent.allreduce_expanded", bf.allreduce_,
         torch.ones(1).expand(4) if RANK == 0 else torch.ones(4), name="one.ar_")
-attempt("one_agent.allreduce_local_flag", bf.allreduce, X, is_hierarchical_local=1 if RANK == 1 else False,
-        name="one.ar.flag")
 check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(data(RANK)), name="one.next"),
                                                 np.mean([data(r) for r in range(SIZE)], axis=0)))
 # bad arguments to a neighbor operation on one agent (Exp-2: r sends to r+1, r+2): it
