@@ -43,7 +43,7 @@ def _writes_in_place(target):
 
 def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
-    views = yield from exchange_headers(eng, op, _meta(x))
+    views = yield from exchange_headers(eng, op, _meta(x), mpi_call=True)
     _same_meta_or_raise(op, views, _meta_text)
     dtype = x.dtype
     wide = _reduced_in(dtype, average)
@@ -70,7 +70,7 @@ def allreduce(eng, op, x, average, target):
 
 
 def broadcast(eng, op, x, root, target):
-    views = yield from exchange_headers(eng, op, (root, _meta(x)))
+    views = yield from exchange_headers(eng, op, (root, _meta(x)), mpi_call=True)
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
     if eng.rank == root:     # timeline: the data goes from the root to every other agent
         mark_sends(op.name, (r for r in range(eng.size) if r != root))
@@ -91,7 +91,7 @@ def broadcast(eng, op, x, root, target):
 
 
 def allgather(eng, op, x):
-    views = yield from exchange_headers(eng, op, _meta(x))
+    views = yield from exchange_headers(eng, op, _meta(x), mpi_call=True)
     kinds = [(dt, shape[1:]) for dt, shape in views]
     if len(set(kinds)) != 1 or any(len(shape) == 0 for _, shape in views):
         listing = ", ".join(f"rank {r}: {_meta_text(v)}" for r, v in enumerate(views))

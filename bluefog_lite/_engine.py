@@ -98,7 +98,7 @@ class Op:
         self._pending.acquire()
         self.finished_task = False
         self.coll_seq = None
-        self.collective = False   # it took a place in the agents' sequence of collectives
+        self.collective = False   # it will make (or made) an MPI collective call (next_collective)
         self.caller_tid = _get_ident()
         self.inline = False    # submitted unannounced: its synchronize runs the loop (or rings)
         self.reserved = True   # its name is in Engine._names until synchronized
@@ -151,7 +151,7 @@ class Engine(CallerDrive, StallInspector):
         self._coll_seq = 0             # next collective sequence number (comm thread)
         self._coll_next = 0            # lowest collective not yet posted
         self._coll_released = set()
-        # why collectives can no longer run on this agent (a collective of it timed out), or None
+        # why MPI collectives can no longer run on this agent (one of them timed out), or None
         self.collectives_broken = None
         self._stopping = False
         self._stop_seen = False     # the loop has looked once since stop() began (_sleep)
@@ -289,10 +289,13 @@ class Engine(CallerDrive, StallInspector):
     def send_object(self, dst, key, obj):
         self.stream.queue_object(dst, key, obj)
 
-    def next_collective(self, op):
-        if self.collectives_broken is not None:
+    def next_collective(self, op, mpi_call=False):
+        """op's place in the agents' sequence of collectives; mpi_call: it will make an
+        MPI collective call (allreduce, broadcast, allgather, a window's allocation),
+        which must pair with the same call on every agent (see collectives_broken)."""
+        if mpi_call and self.collectives_broken is not None:
             raise RuntimeError(f"{op.kind} {op.name!r} cannot run: {self.collectives_broken}")
-        op.collective = True
+        op.collective = mpi_call
         op.coll_seq = self._coll_seq
         self._coll_seq += 1
         return op.coll_seq

@@ -149,7 +149,7 @@ class StallInspector:
                 op.error = OpTimeout(
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
-                    f"waiting {self._waiting_for(op)}{self._stray_hint(op)}")
+                    f"waiting {self._waiting_for(op)}{'' if op.finished_task else self._stray_hint(op)}")
                 if op.collective:
                     # The late agents may still make this collective's MPI call, which
                     # would pair with this agent's next one and mix their data
@@ -157,9 +157,12 @@ class StallInspector:
                         f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank}), "
                         "so its collectives are out of step with the other agents' (a late agent may still "
                         "make that call's MPI collective, which would pair with this agent's next one and "
-                        "mix their data); no collective can run on it any more in this run (neighbor "
-                        "operations and window puts, gets and updates still can)")
-                if isinstance(op.wait, Requests):
+                        "mix their data); allreduce, broadcast, allgather, win_create and win_free cannot "
+                        "run on it any more in this run (neighbor operations, barrier and window puts, gets "
+                        "and updates still can)")
+                if op.finished_task:
+                    pass    # only its sends are left: _finish keeps them going (keep_sending)
+                elif isinstance(op.wait, Requests):
                     # A posted MPI call still reads and writes its buffers (an in-place
                     # target included) until it completes: the task, whose frame holds
                     # them, is kept until then (Engine.keep_sending), and closed by the
@@ -167,7 +170,7 @@ class StallInspector:
                     self.keep_sending([(_KeptTask(op.wait.reqs, op.task), None)])
                 else:
                     op.task.close()
-                if isinstance(op.wait, Recv):
+                if isinstance(op.wait, Recv) and not op.finished_task:    # (a finished op's wait is stale)
                     self.forget_inputs(op.wait.keys)
                 self._finish(op)
 

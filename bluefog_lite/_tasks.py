@@ -133,11 +133,12 @@ def _release(entries):
 
 # ---- collective header exchange -------------------------------------------
 
-def exchange_headers(eng, op, payload):
+def exchange_headers(eng, op, payload, mpi_call=False):
     """All-to-all exchange of a small object among all agents (the negotiation of a
-    collective). Raises the same error on every agent when the agents called
-    different collectives at this point of their sequence."""
-    seq = eng.next_collective(op)
+    collective; mpi_call: an MPI collective call follows, see Engine.next_collective).
+    Raises the same error on every agent when the agents called different collectives
+    at this point of their sequence."""
+    seq = eng.next_collective(op, mpi_call)
     me = (op.kind, op.name, payload)
     if eng.size == 1:
         return [payload]

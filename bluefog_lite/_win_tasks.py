@@ -288,7 +288,7 @@ def _spans_hosts(eng):
 def create(eng, op, win, problem, meta, zero_init):
     """problem: None or (error type name, message) found by this agent's checks.
     Returns whether the agents span several hosts (then targets need progress pokes)."""
-    views = yield from exchange_headers(eng, op, (problem, meta, zero_init))
+    views = yield from exchange_headers(eng, op, (problem, meta, zero_init), mpi_call=True)
     _raise_problems(op, views)
     if len({v[1] for v in views}) != 1:
         listing = ", ".join(f"rank {r}: {v[1][0]!r} {v[1][1]}{list(v[1][2])}" for r, v in enumerate(views))
@@ -323,7 +323,7 @@ def create(eng, op, win, problem, meta, zero_init):
 
 
 def free(eng, op, wins, names, problem):
-    views = yield from exchange_headers(eng, op, (problem, names))
+    views = yield from exchange_headers(eng, op, (problem, names), mpi_call=True)
     _raise_problems(op, views)
     if len({tuple(v[1]) for v in views}) != 1:
         listing = ", ".join(f"rank {r}: {list(v[1])}" for r, v in enumerate(views))

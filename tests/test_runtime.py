@@ -129,6 +129,10 @@ def test_a_send_never_taken_times_out_and_the_receiver_still_gets_it():
     run_agents(2, "runtime_send_waits.py", "timeout", timeout=60, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
 
+def test_a_timeout_on_its_sends_alone_does_not_drop_the_next_calls_input():
+    run_agents(2, "runtime_send_waits.py", "stale", timeout=60, untaken_ok=True, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
+
+
 def test_a_send_to_an_agent_that_left_without_taking_it_ends_the_job():
     rc, out = run_agents(2, "runtime_send_waits.py", "departed", timeout=60, expect_ok=False)
     assert rc != 0

@@ -182,7 +182,7 @@ def test_user_activities_and_cycle_markers(ops_traces):
 
 def test_a_user_activity_ends_itself_not_the_operation_beside_it(ops_traces):
     """Rank 0 opens PREPARE on an operation's row, starts the operation (its neighbors
-    call 0.1 s later) and ends PREPARE: PREPARE ends then, ENQUEUE_ (split around
+    call 0.3 s later) and ends PREPARE: PREPARE ends then, ENQUEUE_ (split around
     PREPARE's end, so that slices nest) ends when the operation does."""
     _, traces = ops_traces
     spans = [s for s in traces[0].spans if s[0] == "shared.row"]
@@ -190,8 +190,8 @@ def test_a_user_activity_ends_itself_not_the_operation_beside_it(ops_traces):
     enqueue = [s for s in spans if s[2] == "ENQUEUE_NEIGHBOR_ALLREDUCE"]
     mpi = [s for s in spans if s[2] == "MPI_NEIGHBOR_ALLREDUCE"]
     assert len(prepare) == 1 and len(mpi) == 1 and enqueue, spans
-    assert prepare[0][4] - prepare[0][3] < 50e3, prepare     # us: not until the operation's end
-    assert prepare[0][4] < mpi[0][4] - 50e3, (prepare, mpi)
+    assert prepare[0][4] - prepare[0][3] < 100e3, prepare    # us: not until the operation's end
+    assert prepare[0][4] < mpi[0][4] - 100e3, (prepare, mpi)
     assert max(s[4] for s in enqueue) >= mpi[0][4], (enqueue, mpi)
 
 

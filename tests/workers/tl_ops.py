@@ -47,10 +47,10 @@ with bf.timeline_context("user", "EVALUATE") as on:
     assert on is True
 
 # a user activity on an operation's row, ended while the operation waits for its
-# neighbors (ranks 1.. start 0.1 s later): the end closes the activity, and the
+# neighbors (ranks 1.. start 0.3 s later): the end closes the activity, and the
 # operation's ENQUEUE_ still ends when the operation does
 if r:
-    time.sleep(0.1)
+    time.sleep(0.3)
 assert bf.timeline_start_activity("shared.row", "PREPARE") is True
 h = bf.neighbor_allreduce_nonblocking(x, name="shared.row")
 assert bf.timeline_end_activity("shared.row") is True
