@@ -19,6 +19,7 @@ x = torch.arange(1 << 18, dtype=torch.float32)      # 1 MB: its own message, tak
 mode = sys.argv[1]
 if mode == "stale":
     if r == 0:
+        time.sleep(0.5)     # rank 1's data is in first: the call takes it without waiting
         try:
             bf.neighbor_allgather(x.view(-1, 1), src_ranks=[1], dst_ranks=[1], enable_topo_check=False, name="x")
             raise AssertionError("rank 0: the call returned before its send was taken")
