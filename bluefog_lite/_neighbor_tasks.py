@@ -302,11 +302,16 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             eng.send_object(dst, key, note)
         eng.forget_inputs([(src, key) for src in recv_from])
         raise
+    averaged = False
     if machine_sum.dtype != acc.dtype:
-        # a 16-bit float sum, added in float32, rounded once: machines exchange and
-        # average it in the tensor's dtype, as neighbor operations do; an integer sum
-        # goes as float64, the dtype it is weighted in
-        machine_sum = machine_sum.to(acc.dtype)
+        if acc.is_floating_point() and acc.element_size() == 2:
+            # a 16-bit float sum, added in float32: its machine average, rounded once, is
+            # what machines exchange and average in the tensor's dtype, as neighbor
+            # operations do (the sum itself overflows float16 past 65504 / agents per machine)
+            machine_sum = (machine_sum / len(local_ranks)).to(acc.dtype)
+            averaged = True
+        else:   # an integer sum goes as float64, the dtype it is weighted in
+            machine_sum = machine_sum.to(acc.dtype)
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
         remote = yield Recv([(src, key) for src in recv_from])
@@ -315,7 +320,8 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         with _phase(op.name, "COMPUTE_AVERAGE"):
             weighted_sum(acc, machine_sum, self_weight,
                           [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
-            acc.div_(len(local_ranks))
+            if not averaged:
+                acc.div_(len(local_ranks))
             return acc if acc.dtype == x.dtype else acc.round_().to(x.dtype)
     finally:
         _release(remote)

@@ -160,19 +160,15 @@ def _arrays(eng, name, meta, head, xa, recv_from, window):
 
 def _average(out, xa, self_weight, weights, arrays):
     """out = self_weight * x + the weighted arrays, in numpy (a small tensor's torch
-    operations cost several times more than their arithmetic). Equal weights (every
-    default topology) are summed first and scaled once."""
+    operations cost several times more than their arithmetic). Each term is scaled
+    before it is added, so a convex combination of finite values stays finite (summing
+    first, then scaling, overflowed near the dtype's largest value: 2e38 twice in
+    float32 gave inf; it saved ~1 us)."""
     acc = out.numpy()
-    if arrays and self_weight != 0 and all(w == self_weight for w in weights):
-        np.add(xa, arrays[0], out=acc)
-        for a in arrays[1:]:
-            acc += a
-        acc *= self_weight
-    else:
-        np.multiply(xa, self_weight, out=acc)
-        for a, w in zip(arrays, weights):
-            if w != 0:
-                acc += a * w
+    np.multiply(xa, self_weight, out=acc)
+    for a, w in zip(arrays, weights):
+        if w != 0:
+            acc += a * w
     return out
 
 

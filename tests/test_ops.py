@@ -89,3 +89,7 @@ def test_unnamed_calls_on_several_threads_get_distinct_names():
         sys.setswitchinterval(interval)
     assert len(names) == 4 * per_thread
     assert len(set(names)) == len(names), f"{len(names) - len(set(names))} names given twice"
+
+
+def test_values_near_the_dtype_limit_stay_finite():
+    run_agents(4, "ops_extremes.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
