@@ -142,6 +142,19 @@ def _peers(topo, static, srcs, dsts, size, me):
     return _ranks_named(dsts, size, me), _ranks_named(srcs, size, me)
 
 
+def _all_ranks_named(ranks, size, me):
+    """True when ranks (a dict's keys or a list) reads whole as ranks other than me: a
+    call rejected for other reasons then knows every agent it would receive from."""
+    if ranks is None:
+        return False
+    try:
+        items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
+    except Exception:       # anything: the caller is already reporting bad arguments
+        return False
+    return all(isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r < size and r != me
+               for r in items)
+
+
 def _overlaps(t):
     """True when elements of t share memory (an expand()ed tensor: stride 0), so
     that a result cannot be written into it."""

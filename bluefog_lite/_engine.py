@@ -151,6 +151,8 @@ class Engine(CallerDrive, StallInspector):
         self._coll_seq = 0             # next collective sequence number (comm thread)
         self._coll_next = 0            # lowest collective not yet posted
         self._coll_released = set()
+        # name -> why neighbor operations of that name are refused on this agent (ops._refuse)
+        self.tainted = {}
         # why MPI collectives can no longer run on this agent (one of them timed out), or None
         self.collectives_broken = None
         self._stopping = False

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
-from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
-                         _reducible, _tensor, _weight, _writable)
+from ._arguments import (_all_ranks_named, _flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list,
+                         _ranks_named, _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
 from ._runtime import plan_key, state
 from ._waits import Requests
@@ -134,6 +134,14 @@ def _collective(kind, name, prepare, deliver=None):
     return _submit(kind, name, make_task, deliver=deliver)
 
 
+def _untainted(st, name):
+    """Raise (inside an operation's argument checks) if name is refused on this agent
+    (see _refuse): every later call of it would take queued data as its own."""
+    why = st.engine.tainted.get(name)
+    if why is not None:
+        raise ValueError(f"{why}, where this call would take it as its own: use another name")
+
+
 class _Refused(Exception):
     """neighbor_allreduce's arguments were rejected on this agent: handle is the op
     that tells the agents waiting for it (see _refuse)."""
@@ -143,16 +151,23 @@ class _Refused(Exception):
         self.handle = handle
 
 
-def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False):
+def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False, sources_known=True):
     """The handle of the op of an agent whose arguments to a neighbor operation were
     rejected with exc (TypeError or ValueError). The op raises exc, but first the
     agents that would wait for this agent learn why and raise too: each (rank, key) of
     tell gets a note instead of the data; the inputs this agent would have received,
     forget, are dropped when they come (they must not feed its next call of the name).
     negotiate: the operation starts with a collective topology check, which this
-    agent joins with its error (then nobody sends data)."""
+    agent joins with its error (then nobody sends data). sources_known=False (its
+    source weights or ranks could not be read): what its senders send for this call
+    cannot be told apart from their next call's, so the name is refused from then on
+    on this agent (_untainted) rather than give a later call a stale input."""
     if negotiate:
         return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, exc))
+    if not sources_known:
+        state().engine.tainted.setdefault(name, (
+            f"an earlier {kind} {name!r} of this agent was refused ({type(exc).__name__}) before it could tell "
+            "which agents send to it, so what they sent for that call may still be queued under this name"))
     return _submit(kind, name, lambda e, op: _tasks.refused(e, op, exc, list(tell), list(forget)))
 
 
@@ -332,6 +347,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
     name = _op_name(name, "NEIGHBOR_ALLREDUCE")
     st = state()
     try:
+        _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
         x = _numeric(_tensor(tensor, name), "neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
@@ -340,7 +356,8 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         sends, recvs = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
-            negotiate=bool(enable_topo_check) and dst_weights is not None)) from exc
+            negotiate=bool(enable_topo_check) and dst_weights is not None,
+            sources_known=dst_weights is None or _all_ranks_named(src_weights, st.size, st.rank))) from exc
     return (name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic,
             _devices.delivery(tensor, False, name))
 
@@ -365,6 +382,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
     dynamic = src_ranks is not None or dst_ranks is not None
     check = bool(enable_topo_check) and dynamic
     try:
+        _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
         x = _tensor(tensor, name)
         if x.dim() == 0:
@@ -379,7 +397,8 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
     except (TypeError, ValueError) as exc:
         sends, recvs = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
-                       [(r, name) for r in recvs], negotiate=check)
+                       [(r, name) for r in recvs], negotiate=check,
+                       sources_known=not dynamic or _all_ranks_named(src_ranks, st.size, st.rank))
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _neighbor_tasks.neighbor_allgather(
         e, op, x, list(send_to), list(recv_from), check), deliver=_devices.delivery(tensor, False, name))
 
@@ -401,6 +420,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
         raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
     try:
+        _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
         x = _numeric(_tensor(tensor, name), "hierarchical_neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(
@@ -413,7 +433,9 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
         return _refuse("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name, exc,
                        local + [(to_rank(m), (name, "machine")) for m in sends],
                        local + [(to_rank(m), (name, "machine")) for m in recvs],
-                       negotiate=bool(enable_topo_check) and dst_machine_weights is not None)
+                       negotiate=bool(enable_topo_check) and dst_machine_weights is not None,
+                       sources_known=dst_machine_weights is None or _all_ranks_named(
+                           src_machine_weights, st.machine_size, st.machine_rank))
     plan = [(to_rank(m), w) for m, w in plan]
     srcw = {to_rank(m): w for m, w in srcw.items()}
     recv_from = [to_rank(m) for m in recv_from]
@@ -437,6 +459,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
     name = _op_name(name, "PAIR_GOSSIP")
     st = state()
     try:
+        _untainted(st, name)
         x = _numeric(_tensor(tensor, name), "pair_gossip")
         target = _rank(target_rank, "target_rank", st.size, st.rank)
         if (self_weight is None) != (pair_weight is None):
@@ -445,7 +468,8 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
         pw = 0.5 if pair_weight is None else _weight(pair_weight, "pair_weight")
     except (TypeError, ValueError) as exc:
         pair = [(r, name) for r in _ranks_named([target_rank], st.size, st.rank)]
-        return _refuse("PAIR_GOSSIP", name, exc, pair, pair)
+        return _refuse("PAIR_GOSSIP", name, exc, pair, pair,
+                       sources_known=_all_ranks_named([target_rank], st.size, st.rank))
     return _submit("PAIR_GOSSIP", name, lambda e, op: _neighbor_tasks.pair_gossip(e, op, x, target, sw, pw),
                    deliver=_devices.delivery(tensor, False, name))
 

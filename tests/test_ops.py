@@ -93,3 +93,7 @@ def test_unnamed_calls_on_several_threads_get_distinct_names():
 
 def test_values_near_the_dtype_limit_stay_finite():
     run_agents(4, "ops_extremes.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
+def test_a_name_whose_call_was_refused_without_its_sources_is_refused_after():
+    run_agents(4, "ops_refused_name.py", timeout=90, untaken_ok=True, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
