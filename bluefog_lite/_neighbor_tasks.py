@@ -49,13 +49,12 @@ _SEND_TO = {}    # tuple of destination ranks -> its "SEND_TO r1,r2" activity
 def mark_sends(names, dsts):
     """Timeline: an instant "SEND_TO r1,r2" on the row of each operation in names (a
     name or a list), the ranks the call sent to (bftimeline draws its send -> receive
-    arrows from it). dsts may be a generator: nothing is built while the timeline is off."""
+    arrows from it; "SEND_TO " when it sent to nobody). dsts may be a generator:
+    nothing is built while the timeline is off."""
     rec = tl.current
     if rec is None:
         return
     dsts = tuple(dsts)
-    if not dsts:        # nothing was sent
-        return
     activity = _SEND_TO.get(dsts)
     if activity is None:
         if len(_SEND_TO) >= 4096:      # a long run of ever new destination sets

@@ -276,6 +276,27 @@ def test_broadcast_arrows_go_from_the_root_only(tmp_path, capsys):
     assert arrows == {(1, 0), (1, 2)}, arrows
 
 
+def test_an_agent_that_sent_to_nobody_has_no_arrows_and_a_local_allreduce_stays_in_its_machine(tmp_path, capsys):
+    """Neighbor calls: agent 0 marks "SEND_TO " (nobody), the others mark their one
+    receiver; a machine-local allreduce (machines {0, 1} and {2, 3}) marks each agent's
+    machine peer: arrows only where the marks say (they went from agent 0 to every
+    agent, and the local allreduce linked every pair across machines)."""
+    prefix = str(tmp_path / "tl_")
+    for r in range(4):
+        calls = (op_call("n", "NEIGHBOR_ALLREDUCE", (1000, 2000), (1010, 1990), (1020, 1980))
+                 + op_call("l", "ALLREDUCE", (3000, 4000), (3010, 3990), (3020, 3980)))
+        marks = [("n", "communication", "SEND_TO " + ("" if r == 0 else str((r + 1) % 4)), 1030),
+                 ("l", "communication", f"SEND_TO {r ^ 1}", 3030)]
+        write_agent(f"{prefix}{r}.json", r, 4, calls, instants=marks)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    events = load_json(tmp_path / "m.json")
+    names = {e["id"]: e["name"] for e in events if e.get("ph") == "s"}
+    arrows = {(u - 1, v - 1) for u, v, _, _ in check_flows(events)}
+    assert arrows == {(1, 2), (2, 3), (3, 0)} | {(0, 1), (1, 0), (2, 3), (3, 2)}, arrows
+    assert len(names) == 3 + 4, names
+
+
 # ---- crashed agents ---------------------------------------------------------------------------
 
 def crashed_run(folder):
@@ -410,6 +431,27 @@ def test_merge_does_not_overwrite_its_inputs_and_leaves_no_partial_output(tmp_pa
     code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
     assert code == 0 and load_json(tmp_path / "m.json")
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
+
+
+def test_summary_json_and_plot_do_not_overwrite_their_inputs(tmp_path, capsys):
+    """As merge: summary --json and plot -o onto a timeline file of the run are refused
+    (summary wrote its JSON over rank 0's file)."""
+    prefix = overlap_trace(tmp_path)
+    before = (tmp_path / "tl_0.json").read_bytes()
+    code, _, err = cli(["summary", prefix, "--json", f"{prefix}0.json"], capsys)
+    assert code == 1 and "an input of the summary" in err, err
+    pytest.importorskip("matplotlib")
+    code, _, err = cli(["plot", prefix, "-o", f"{prefix}0.json"], capsys)
+    assert code == 1 and "an input of the plot" in err, err
+    assert (tmp_path / "tl_0.json").read_bytes() == before
+
+
+def test_plot_of_a_window_without_slices_is_a_clear_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    prefix = overlap_trace(tmp_path)
+    code, _, err = cli(["plot", prefix, "-o", tmp_path / "p.png", "--start", "5000", "--end", "6000"], capsys)
+    assert code == 1 and "nothing to plot between 5000 and 6000 ms" in err, err
+    assert not (tmp_path / "p.png").exists()
 
 
 @pytest.mark.parametrize("name", ["other", "communication", "COMMUNICATE", "MPI_NEIGHBOR_ALLREDUCE"])

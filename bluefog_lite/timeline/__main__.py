@@ -60,6 +60,9 @@ def main(argv=None):
                   f"{counts['flows']} flow arrows" + _without(counts["skipped"]))
         elif args.command == "summary":
             from ._summary import format_summary, summarize
+            if args.json:
+                from ._agents import find_agents, refuse_as_output
+                refuse_as_output(find_agents(args.prefix, args.allow_missing), args.json, "summary")
             summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing)
             sys.stdout.write(format_summary(summary))
             if args.json:

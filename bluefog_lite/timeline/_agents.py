@@ -69,6 +69,15 @@ def find_agents(prefix, allow_missing=False):
     return Agents(agents, sorted(skipped))
 
 
+def refuse_as_output(agents, out_path, what):
+    """Raise if out_path is one of the run's files: writing the output of ``what``
+    (merge, summary, plot) there would destroy an input."""
+    for agent in agents:
+        if os.path.exists(out_path) and os.path.samefile(out_path, agent.path):
+            raise ValueError(f"the output {out_path} is rank {agent.rank}'s timeline file, an input of the {what}; "
+                             "write the output elsewhere")
+
+
 def _describe_run(agents):
     meta = agents[0].meta
     ranks = [a.rank for a in agents]

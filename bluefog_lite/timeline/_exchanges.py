@@ -72,7 +72,8 @@ class AgentExchanges:
             if kind not in EXCHANGE_KINDS:
                 return
             inside = [c for c in pending if c.begin >= s.begin and c.end <= s.end]
-            marks = [r for ts, ranks in sends if s.begin <= ts <= s.end for r in ranks]
+            marked = [ranks for ts, ranks in sends if s.begin <= ts <= s.end]   # ("SEND_TO ": nobody)
+            marks = [r for ranks in marked for r in ranks]
             ex = self._exchanges.get((s.pid, kind))
             if ex is None:
                 ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [])
@@ -86,7 +87,7 @@ class AgentExchanges:
                 for column in ex[:4]:
                     column.append(NAN)
             ex.tid.append(s.tid)
-            ex.dsts.append(tuple(sorted(set(marks))) if marks else None)
+            ex.dsts.append(tuple(sorted(set(marks))) if marked else None)
 
     def finish(self, process_name):
         """Key the records by operation name (pids differ between agents)."""

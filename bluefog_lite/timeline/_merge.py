@@ -17,7 +17,7 @@ import json
 import math
 import os
 
-from ._agents import find_agents
+from ._agents import find_agents, refuse_as_output
 from ._exchanges import COLLECTIVE_KINDS, AgentExchanges
 from ._reader import iter_events
 from ._slices import SliceReader
@@ -33,10 +33,7 @@ def merge(prefix, out_path, topology=None, flows=True, allow_missing=False):
     neighbor exchanges; allow_missing: see find_agents. Returns {"agents": n,
     "events": m, "flows": f, "skipped": [the files left out]}."""
     agents = find_agents(prefix, allow_missing)
-    for agent in agents:
-        if os.path.exists(out_path) and os.path.samefile(out_path, agent.path):
-            raise ValueError(f"the output {out_path} is rank {agent.rank}'s timeline file, an input of the merge; "
-                             "write the merged trace elsewhere")
+    refuse_as_output(agents, out_path, "merge")
     counts = {"agents": len(agents), "events": 0, "flows": 0, "skipped": agents.skipped}
     partial = f"{out_path}.partial"     # moved to out_path once whole
     try:
@@ -198,13 +195,13 @@ def _flow_lines(records, edges):
 
 def _pairs_of_call(present, key, k, kind, pairs):
     """The (sender, receiver) pairs of the k-th call: the ranks each agent recorded
-    sending to, where it did (neighbor operations; a broadcast's root), else the
-    given pairs."""
-    if kind == "BROADCAST":
-        marked = [(u, v) for u, recs in sorted(present.items()) for v in _sent(recs, key, k) or () if v in present]
-        return marked if marked else pairs       # (files that did not record the root)
+    sending to, where it did (neighbor operations; a broadcast's root; the agents of a
+    machine-local allreduce), else the given pairs (an MPI collective records none)."""
     if kind in COLLECTIVE_KINDS:
-        return pairs
+        sent = {u: _sent(recs, key, k) for u, recs in sorted(present.items())}
+        if all(s is None for s in sent.values()):
+            return pairs
+        return [(u, v) for u, dsts in sent.items() for v in dsts or () if v in present]
     out = []
     for u, recs in sorted(present.items()):
         sent = _sent(recs, key, k)

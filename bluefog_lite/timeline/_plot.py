@@ -13,7 +13,7 @@ from array import array
 import numpy as np
 
 from . import _intervals
-from ._agents import find_agents
+from ._agents import find_agents, refuse_as_output
 from ._reader import iter_events
 from ._slices import SliceReader
 
@@ -67,6 +67,7 @@ def plot(prefix, out_path, start_ms=None, end_ms=None, allow_missing=False):
     Returns (the number of lanes, the files left out)."""
     plt = _pyplot()
     agents = find_agents(prefix, allow_missing)
+    refuse_as_output(agents, out_path, "plot")
     lanes, t0 = _read_lanes(agents)
     if not lanes:
         raise ValueError(f"{prefix}<rank>.json hold no slices to plot")
@@ -99,6 +100,10 @@ def plot(prefix, out_path, start_ms=None, end_ms=None, allow_missing=False):
     fig.suptitle(f"{prefix}<rank>.json: {len({k[0] for k in keys})} agents on rank 0's clock",
                  y=1 - 0.08 / height, va="top", fontsize=10)
     groups = sorted(used)
+    if not groups:
+        plt.close(fig)
+        raise ValueError(f"nothing to plot between {lo:g} and {hi:g} ms (from the earliest timestamp of any "
+                         "agent): choose --start/--end inside the run")
     fig.legend([plt.Rectangle((0, 0), 1, 1, color=_GROUPS[g][1]) for g in groups],
                [_GROUPS[g][0] for g in groups], loc="upper center", bbox_to_anchor=(0.5, 1 - 0.32 / height),
                ncol=len(groups) if len(groups) <= 6 else (len(groups) + 1) // 2, fontsize=8, frameon=False)
