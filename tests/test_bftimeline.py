@@ -297,6 +297,27 @@ def test_an_agent_that_sent_to_nobody_has_no_arrows_and_a_local_allreduce_stays_
     assert len(names) == 3 + 4, names
 
 
+def test_a_call_in_flight_when_recording_began_is_not_paired(tmp_path, capsys):
+    """Agent 0's file began (timeline_start) while its first call of "x" was in flight:
+    it has that call's MPI_ slice without its ENQUEUE_; agent 1's file does not have
+    it at all. Call k of one agent is call k of the other (they were paired off by one)."""
+    prefix = str(tmp_path / "tl_")
+    calls = [(1000, 2000), (3000, 4000)]
+    for r in range(2):
+        slices = [("x", "communication", "MPI_NEIGHBOR_ALLREDUCE", 100, 500),
+                  ("x", "communication", "COMMUNICATE", 150, 450)] if r == 0 else []
+        for b, e in calls:
+            slices += op_call("x", "NEIGHBOR_ALLREDUCE", (b, e), (b + 10, e - 10), (b + 20, e - 20))
+        marks = [("x", "communication", f"SEND_TO {1 - r}", b + 30) for b, _ in calls]
+        write_agent(f"{prefix}{r}.json", r, 2, slices, instants=marks)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    arrows = check_flows(load_json(tmp_path / "m.json"))
+    assert len(arrows) == 4, arrows
+    for _, _, s, f in arrows:      # sent and received within the same call's window
+        assert any(b <= s["ts"] <= e and b <= f["ts"] <= e for b, e in calls), (s, f)
+
+
 # ---- crashed agents ---------------------------------------------------------------------------
 
 def crashed_run(folder):

@@ -90,10 +90,17 @@ class AgentExchanges:
             ex.dsts.append(tuple(sorted(set(marks))) if marked else None)
 
     def finish(self, process_name):
-        """Key the records by operation name (pids differ between agents)."""
+        """Key the records by operation name (pids differ between agents). An MPI_ slice
+        without its ENQUEUE_ is a call made before recording began (timeline_start
+        while it was in flight; calls of a name run one at a time, so only the first
+        can be one): whether it was recorded depends on timing, so it is left out, or
+        the k-th call of this agent would be paired with another agent's (k+1)-th."""
         for (pid, kind), arr in self._arrivals.items():
             self.arrivals[(process_name(pid), kind)] = arr
         for (pid, kind), ex in self._exchanges.items():
+            extra = len(ex.send) - len(self._arrivals.get((pid, kind), ()))
+            if extra > 0:
+                ex = Exchanges(*(column[extra:] for column in ex))
             self.exchanges[(process_name(pid), kind)] = ex
             self.pids[process_name(pid)] = pid
         self._arrivals = self._exchanges = self._communicate = self._enqueue_end = self._sends = None
