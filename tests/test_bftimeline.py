@@ -155,6 +155,8 @@ def test_summary_counts_extra_compute_activities(tmp_path, capsys):
     agent, = load_json(tmp_path / "s.json")["agents"]
     assert agent["overlap_percent"] == pytest.approx(100.0 * 500 / 800)
     assert agent["time_ms"]["COMPUTE_GRADIENT"] == pytest.approx(0.2)
+    code, _, err = cli(["summary", prefix, "--compute", "COMPUTE_GRADIANT"], capsys)     # a typo: said
+    assert code == 0 and "--compute 'COMPUTE_GRADIANT': no agent recorded an activity of that name" in err, err
 
 
 # ---- clocks: a known 3 ms offset ----------------------------------------------------------

@@ -65,6 +65,9 @@ def main(argv=None):
                 refuse_as_output(find_agents(args.prefix, args.allow_missing), args.json, "summary")
             summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing)
             sys.stdout.write(format_summary(summary))
+            for name in summary["compute_not_found"]:
+                sys.stderr.write(f"bftimeline summary: warning: --compute {name!r}: no agent recorded an "
+                                 "activity of that name (check its spelling)\n")
             if args.json:
                 with open(args.json, "w", encoding="utf-8") as f:
                     json.dump(summary, f, indent=1)

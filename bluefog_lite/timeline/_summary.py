@@ -44,7 +44,9 @@ def summarize(prefix, compute=(), allow_missing=False):
     for agent in found:
         row, arrivals[agent.rank] = _agent_summary(agent, compute)
         agents.append(row)
+    asked = [name for name in compute if name not in COMPUTE]
     return {"prefix": prefix, "agents": agents, "skipped": found.skipped, "compute": list(compute),
+            "compute_not_found": [name for name in asked if not any(name in a["time_ms"] for a in agents)],
             "phases": [p for p in PHASES if any(p in a["time_ms"] for a in agents)],
             "stragglers": stragglers(arrivals)}
 
