@@ -19,7 +19,7 @@ from ._writer import COMM_TID, MAIN_TID, Writer
 
 _session = None    # the open _Session, recording or waiting for its step window
 _steps = 0         # optimizer steps completed since the timeline was configured
-_clock_sync = None  # (offset_us, rtt_us) measured at init, or None
+_clock_sync = None  # (offset_us, rtt_us, shared with rank 0) measured at init, or None
 _run = (None, None)  # (id, rank 0's wall time at init): the same on every agent of a run (measure_clock)
 _followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
 _lock = threading.RLock()        # opening and closing files: callers may be on several threads
@@ -90,7 +90,7 @@ class _Session:
 
 def _metadata(prefix, st, start_step, end_step):
     perf_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
-    offset, rtt = _clock_sync if _clock_sync is not None else (0.0, None)
+    offset, rtt, shared = _clock_sync if _clock_sync is not None else (0.0, None, None)
     return {
         "run_id": _run[0], "run_started_s": _run[1],
         "rank": st.rank, "size": st.size, "local_rank": st.local_rank, "local_size": st.local_size,
@@ -99,7 +99,7 @@ def _metadata(prefix, st, start_step, end_step):
         "clock": "perf_counter", "ts_unit": "us",
         "wall_time_of_ts0_us": (wall_ns - perf_ns) / 1000.0,
         "clock_offset_us": offset, "clock_offset_rtt_us": rtt,
-        "clock_offset_measured": _clock_sync is not None,
+        "clock_offset_measured": _clock_sync is not None, "clock_shared_with_rank0": shared,
         "start_step": start_step, "end_step": end_step,
         "main_tid": MAIN_TID, "communication_tid": COMM_TID,
     }
