@@ -122,37 +122,28 @@ def _reducible(t, kind):
 
 
 def _ranks_named(ranks, size, me):
-    """The possible peers that ranks (a dict's keys or a list) names, read leniently:
-    what an agent whose arguments were rejected can still tell about its peers."""
+    """(the possible peers that ranks (a dict's keys or a list) names, read leniently,
+    sorted; whether it read whole as ranks other than me): what an agent whose
+    arguments were rejected can still tell about its peers."""
     if ranks is None:
-        return []
+        return [], False
     try:
         items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
     except Exception:       # anything: the caller is already reporting bad arguments
-        return []
-    return sorted({int(r) for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
-                   and 0 <= r < size and r != me})
+        return [], False
+    good = [r for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
+            and 0 <= r < size and r != me]
+    return sorted({int(r) for r in good}), len(good) == len(items)
 
 
 def _peers(topo, static, srcs, dsts, size, me):
-    """(ranks sent to, ranks received from) by a neighbor operation whose arguments may
-    be bad: the topology's in static mode, else the ranks the arguments name."""
+    """(ranks sent to, ranks received from, whether those are all of them) of a
+    neighbor operation whose arguments may be bad: the topology's in static mode,
+    else the ranks the arguments name."""
     if static:
-        return topo.out_ranks, topo.in_ranks
-    return _ranks_named(dsts, size, me), _ranks_named(srcs, size, me)
-
-
-def _all_ranks_named(ranks, size, me):
-    """True when ranks (a dict's keys or a list) reads whole as ranks other than me: a
-    call rejected for other reasons then knows every agent it would receive from."""
-    if ranks is None:
-        return False
-    try:
-        items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
-    except Exception:       # anything: the caller is already reporting bad arguments
-        return False
-    return all(isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r < size and r != me
-               for r in items)
+        return topo.out_ranks, topo.in_ranks, True
+    recvs, whole = _ranks_named(srcs, size, me)
+    return _ranks_named(dsts, size, me)[0], recvs, whole
 
 
 def _overlaps(t):

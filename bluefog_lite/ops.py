@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
-from ._arguments import (_all_ranks_named, _flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list,
-                         _ranks_named, _reducible, _tensor, _weight, _writable)
+from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
+                         _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
 from ._runtime import plan_key, state
 from ._waits import Requests
@@ -353,11 +353,11 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
     except (TypeError, ValueError) as exc:
-        sends, recvs = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
+        sends, recvs, known = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
             negotiate=bool(enable_topo_check) and dst_weights is not None,
-            sources_known=dst_weights is None or _all_ranks_named(src_weights, st.size, st.rank))) from exc
+            sources_known=known)) from exc
     return (name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic,
             _devices.delivery(tensor, False, name))
 
@@ -395,10 +395,10 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
             send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
             recv_from = _ordered_ranks(src_ranks, "src_ranks", st.size, st.rank)
     except (TypeError, ValueError) as exc:
-        sends, recvs = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
+        sends, recvs, known = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
                        [(r, name) for r in recvs], negotiate=check,
-                       sources_known=not dynamic or _all_ranks_named(src_ranks, st.size, st.rank))
+                       sources_known=known)
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _neighbor_tasks.neighbor_allgather(
         e, op, x, list(send_to), list(recv_from), check), deliver=_devices.delivery(tensor, False, name))
 
@@ -427,15 +427,14 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
             self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
             st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
     except (TypeError, ValueError) as exc:
-        sends, recvs = _peers(st.machine_topology, dst_machine_weights is None, src_machine_weights,
-                              dst_machine_weights, st.machine_size, st.machine_rank)
+        sends, recvs, known = _peers(st.machine_topology, dst_machine_weights is None, src_machine_weights,
+                                     dst_machine_weights, st.machine_size, st.machine_rank)
         local = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name, exc,
                        local + [(to_rank(m), (name, "machine")) for m in sends],
                        local + [(to_rank(m), (name, "machine")) for m in recvs],
                        negotiate=bool(enable_topo_check) and dst_machine_weights is not None,
-                       sources_known=dst_machine_weights is None or _all_ranks_named(
-                           src_machine_weights, st.machine_size, st.machine_rank))
+                       sources_known=known)
     plan = [(to_rank(m), w) for m, w in plan]
     srcw = {to_rank(m): w for m, w in srcw.items()}
     recv_from = [to_rank(m) for m in recv_from]
@@ -467,9 +466,9 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
         sw = 0.5 if self_weight is None else _weight(self_weight, "self_weight")
         pw = 0.5 if pair_weight is None else _weight(pair_weight, "pair_weight")
     except (TypeError, ValueError) as exc:
-        pair = [(r, name) for r in _ranks_named([target_rank], st.size, st.rank)]
-        return _refuse("PAIR_GOSSIP", name, exc, pair, pair,
-                       sources_known=_all_ranks_named([target_rank], st.size, st.rank))
+        targets, known = _ranks_named([target_rank], st.size, st.rank)
+        pair = [(r, name) for r in targets]
+        return _refuse("PAIR_GOSSIP", name, exc, pair, pair, sources_known=known)
     return _submit("PAIR_GOSSIP", name, lambda e, op: _neighbor_tasks.pair_gossip(e, op, x, target, sw, pw),
                    deliver=_devices.delivery(tensor, False, name))
 
