@@ -144,6 +144,28 @@ def _check_not_wrapped(model):
                          "call its remove_hooks() before wrapping the model again")
 
 
+class _ReadThrough:
+    """An attribute of a wrapper that is the wrapped optimizer's, read and written
+    through to it (before the wrapping, while Optimizer.__init__ runs, the wrapper's
+    own: kept as _own_<name>)."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.own = name, "_own_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        inner = obj.__dict__.get("optimizer")
+        return obj.__dict__[self.own] if inner is None else getattr(inner, self.name)
+
+    def __set__(self, obj, value):
+        inner = obj.__dict__.get("optimizer")
+        if inner is None:
+            obj.__dict__[self.own] = value
+        else:
+            setattr(inner, self.name, value)
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
@@ -203,31 +225,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # torch.optim.Optimizer contract, delegated to the wrapped optimizer. param_groups and
     # state are read through to it: its load_state_dict (also broadcast_optimizer_state
     # on it) replaces both, and a scheduler on the wrapper must set the rates it steps with.
-    @property
-    def param_groups(self):
-        inner = self.__dict__.get("optimizer")
-        return self.__dict__["_own_param_groups"] if inner is None else inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups):     # (Optimizer.__init__ sets its own before the wrapping)
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
-            self.__dict__["_own_param_groups"] = groups
-        else:
-            inner.param_groups = groups
-
-    @property
-    def state(self):
-        inner = self.__dict__.get("optimizer")
-        return self.__dict__["_own_state"] if inner is None else inner.state
-
-    @state.setter
-    def state(self, value):
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
-            self.__dict__["_own_state"] = value
-        else:
-            inner.state = value
+    param_groups = _ReadThrough()
+    state = _ReadThrough()
 
     def state_dict(self):
         return self.optimizer.state_dict()
