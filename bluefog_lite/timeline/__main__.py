@@ -60,10 +60,8 @@ def main(argv=None):
                   f"{counts['flows']} flow arrows" + _without(counts["skipped"]))
         elif args.command == "summary":
             from ._summary import format_summary, summarize
-            if args.json:
-                from ._agents import find_agents, refuse_as_output
-                refuse_as_output(find_agents(args.prefix, args.allow_missing), args.json, "summary")
-            summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing)
+            summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing,
+                                output=args.json)
             sys.stdout.write(format_summary(summary))
             for name in summary["compute_not_found"]:
                 sys.stderr.write(f"bftimeline summary: warning: --compute {name!r}: no agent recorded an "

@@ -20,7 +20,7 @@ from array import array
 import numpy as np
 
 from . import _intervals
-from ._agents import find_agents
+from ._agents import find_agents, refuse_as_output
 from ._exchanges import EXCHANGE_KINDS, AgentExchanges
 from ._reader import iter_events
 from ._slices import SliceReader
@@ -32,8 +32,9 @@ COMMUNICATION = "communication"
 _OTHER = "other"
 
 
-def summarize(prefix, compute=(), allow_missing=False):
-    """The summary of a run as a dict (what --json writes). allow_missing: see find_agents."""
+def summarize(prefix, compute=(), allow_missing=False, output=None):
+    """The summary of a run as a dict (what --json writes). allow_missing: see
+    find_agents; output: where the caller will write it (refused if a run file)."""
     for name in compute:
         if name in (COMMUNICATION, _OTHER) or name in PHASES or name.startswith(("MPI_", "ENQUEUE_")):
             raise ValueError(f"--compute {name!r}: that is not a compute activity (communication phases and the "
@@ -41,6 +42,8 @@ def summarize(prefix, compute=(), allow_missing=False):
     compute = tuple(dict.fromkeys(COMPUTE + tuple(compute)))
     agents, arrivals = [], {}
     found = find_agents(prefix, allow_missing)
+    if output is not None:
+        refuse_as_output(found, output, "summary")
     for agent in found:
         row, arrivals[agent.rank] = _agent_summary(agent, compute)
         agents.append(row)
