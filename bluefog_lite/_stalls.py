@@ -23,6 +23,12 @@ class OpTimeout(TimeoutError):
     """An operation waited longer than BLUEFOG_OP_TIMEOUT_S."""
 
 
+def _receivers_pending(op):
+    """The ranks that have not taken the large sends of a finished op (Engine._advance
+    keeps only its pending ones; each is (request, (tensor, destination)))."""
+    return sorted({dst for _, (_, dst) in op.data_requests})
+
+
 def _fused_with(op):
     """' (fused with 'b', 'c')' for the lead of a fused group (messages name every member)."""
     if not op.riders:
@@ -65,7 +71,7 @@ class StallInspector:
             for op in list(self._active):
                 wait = op.wait
                 if op.finished_task:
-                    missing = sorted({dst for _, (_, dst) in op.data_requests})
+                    missing = _receivers_pending(op)
                 elif isinstance(wait, Recv):
                     missing = self._lacking(wait)
                 else:
@@ -120,8 +126,7 @@ class StallInspector:
         """What op waits for, as it reads after "waited 60.0 s " or "waiting "."""
         w = op.wait
         if op.finished_task:
-            receivers = sorted({dst for _, (_, dst) in op.data_requests})
-            return f"for the completion of its own sends (ranks {receivers} have not taken them)"
+            return f"for the completion of its own sends (ranks {_receivers_pending(op)} have not taken them)"
         if isinstance(w, Recv):
             return f"for ranks {self._lacking(w)}"
         if isinstance(w, Turn):
