@@ -32,12 +32,12 @@ def _dense(t, what="tensor"):
     return t
 
 
-def _tensor(t, name, what="tensor"):
+def _tensor(t, name, what="tensor", later=False):
     """The contiguous CPU tensor that operation name sends: t itself, or a copy if t
     is not contiguous, is a lazily negated/conjugated view, or is on an accelerator
-    (see _devices.py)."""
+    (see _devices.py; later: the copy is only queued)."""
     _dense(t, what)
-    return to_host(t, name) if on_device(t) else plain(t)
+    return to_host(t, name, later) if on_device(t) else plain(t)
 
 
 def _flag(value, what):

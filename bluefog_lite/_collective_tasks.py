@@ -4,6 +4,7 @@ agent, the same shapes), then makes one MPI collective in the global order of
 collectives (Turn)."""
 import torch
 
+from ._devices import copied
 from ._mpi import MPI
 from ._neighbor_tasks import mark_sends
 from ._stream import tensor_bytes
@@ -45,6 +46,8 @@ def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x), mpi_call=True)
     _same_meta_or_raise(op, views, _meta_text)
+    if op.ready is not None:
+        yield from copied([op])
     dtype = x.dtype
     wide = _reduced_in(dtype, average)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
@@ -72,6 +75,8 @@ def allreduce(eng, op, x, average, target):
 def broadcast(eng, op, x, root, target):
     views = yield from exchange_headers(eng, op, (root, _meta(x)), mpi_call=True)
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
+    if op.ready is not None:
+        yield from copied([op])
     if eng.rank == root:     # timeline: the data goes from the root to every other agent
         mark_sends(op.name, (r for r in range(eng.size) if r != root))
     with _phase(op.name, "ALLOCATE_OUTPUT"):
@@ -97,6 +102,8 @@ def allgather(eng, op, x):
         listing = ", ".join(f"rank {r}: {_meta_text(v)}" for r, v in enumerate(views))
         raise ValueError(f"{op.kind} {op.name!r}: tensors must have at least one dimension and agree "
                          f"on dtype and all dimensions but the first ({listing})")
+    if op.ready is not None:
+        yield from copied([op])
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         firsts = [shape[0] for _, shape in views]
         out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)

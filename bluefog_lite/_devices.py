@@ -1,16 +1,26 @@
 """Tensors on an accelerator (CUDA, ...) in the operations of ops.py: MPI reads and
 writes host memory, so such a tensor is copied to the host when the operation is
 called, and its result is copied back to the tensor's device when the operation is
-synchronized. The copy to the host runs on the calling thread, the copy back on
-the thread that synchronizes, each on that thread's current stream: the copy to
-the host waits for the work queued before the call, and work queued after
-synchronize sees the result. The communication thread never touches device
-memory. With the timeline on, the copies are COPY_TO_HOST and COPY_TO_DEVICE
-spans on those threads, in the operation's row.
+synchronized. Both copies are queued on the calling thread's current stream: the
+copy to the host sees the work queued before the call (and none queued after it,
+such as an in-place update of the tensor), and work queued after synchronize sees
+the result. A nonblocking operation does not wait for its copy to the host: the
+call returns once the copy is queued, and the operation starts when the copy is
+done (the communication thread polls its CUDA event, with the loop's backoff), so
+that the caller goes on queuing GPU work meanwhile (an optimizer's hooks during
+the backward pass). A blocking call waits for the copy at once. The communication
+thread never touches device memory. With the timeline on, the copies are
+COPY_TO_HOST and COPY_TO_DEVICE spans on those threads, in the operation's row,
+and an operation that waited for its copy has a WAIT_COPY_TO_HOST phase.
 """
+import threading
+
 import torch
 
 from ._tasks import _phase
+from ._waits import Until
+
+_pending = threading.local()    # .copy: the event of this thread's last copy made with later=True
 
 
 def on_device(t):
@@ -18,16 +28,68 @@ def on_device(t):
     return isinstance(t, torch.Tensor) and t.device.type != "cpu"
 
 
-def to_host(t, name):
+def to_host(t, name, later=False):
     """A contiguous host copy of device tensor t (the input of operation name), made
     in one copy (conjugated or negated views resolved). From a CUDA tensor the copy
     lands in page-locked memory (torch keeps a cache of it): several times faster
-    than into freshly allocated memory."""
+    than into freshly allocated memory. later: return once the copy is queued, and
+    leave its event for the operation's submission to take (take_copy); otherwise
+    the copy is done when this returns."""
     pinned = t.is_cuda and torch.cuda.is_available()
     with _phase(name, "COPY_TO_HOST"):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-        host.copy_(t.detach())
+        if later and t.is_cuda:
+            finish_copy()     # (an event nobody took: an earlier call failed in between)
+            _pending.copy = _copy_later(host, t.detach())
+        else:
+            host.copy_(t.detach())
     return host
+
+
+def _copy_later(host, t):
+    """Queue the copy of device tensor t into host on t's device's current stream;
+    returns an object with query() and synchronize() (a CUDA event) for the copy,
+    or None when it is done already."""
+    if not torch.cuda.is_available():
+        host.copy_(t)
+        return None
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    return done
+
+
+def take_copy():
+    """The event of this thread's last copy to the host made with later=True that is
+    still running (None if none), handed over: the operation being submitted waits
+    for it."""
+    copy = getattr(_pending, "copy", None)
+    if copy is None:
+        return None
+    _pending.copy = None
+    return None if copy.query() else copy
+
+
+def finish_copy():
+    """Wait for this thread's copy to the host made with later=True, if any."""
+    copy = take_copy()
+    if copy is not None:
+        copy.synchronize()
+
+
+def copied(ops):
+    """``yield from copied(ops)`` in the task of ops (one op, or a fused group's
+    members), before it first reads their inputs: waits, without blocking the loop,
+    for the copies to the host of their device inputs that are still running
+    (op.ready; an operation that negotiates first takes its place in the order of
+    collectives before it waits)."""
+    copies = [op.ready for op in ops if op.ready is not None]
+    for op in ops:
+        op.ready = None
+    copies = [c for c in copies if not c.query()]
+    if copies:
+        with _phase(ops[0].name if len(ops) == 1 else [op.name for op in ops], "WAIT_COPY_TO_HOST"):
+            yield Until(lambda: all(c.query() for c in copies), "the copy of its tensor to the host (on the GPU)")
 
 
 def delivery(t, in_place, name):

@@ -38,7 +38,7 @@ from ._pool import BufferPool
 from ._caller_drive import CallerDrive
 from ._stalls import StallInspector
 from ._stream import StreamEndpoint
-from ._waits import Recv, Requests, Sleep, Turn
+from ._waits import Recv, Requests, Sleep, Turn, Until
 from .timeline import _recorder as tl
 
 
@@ -82,7 +82,7 @@ def _drain(iterator):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver")
+                 "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -103,6 +103,7 @@ class Op:
         self.inline = False    # submitted unannounced: its synchronize runs the loop (or rings)
         self.reserved = True   # its name is in Engine._names until synchronized
         self.deliver = None    # result -> what synchronize returns (_devices.delivery)
+        self.ready = None      # the still running copy of its device input to the host (_devices.py)
 
     def is_done(self):
         return not self._pending.locked()
@@ -172,7 +173,7 @@ class Engine(CallerDrive, StallInspector):
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------
-    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True, deliver=None):
+    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True, deliver=None, ready=None):
         """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
         ``fuse``: a _fusion.Fusable, if the op may run fused with others of the same key.
         ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
@@ -181,7 +182,9 @@ class Engine(CallerDrive, StallInspector):
         op may use the name until it is synchronized (window ops use MPI windows,
         not named messages, and do not reserve).
         ``deliver``: run by synchronize on the result, on the synchronizing thread
-        (a device tensor's result goes back to its device: _devices.py)."""
+        (a device tensor's result goes back to its device: _devices.py).
+        ``ready``: the event of the copy of its device input to the host, still
+        running; the task waits for it before it reads the input (_devices.copied)."""
         inline = inline and self.caller_progress and tl.current is None
         with self._lock:
             if self._stopping:
@@ -193,6 +196,7 @@ class Engine(CallerDrive, StallInspector):
             op.inline = inline
             op.reserved = reserve
             op.deliver = deliver
+            op.ready = ready
             op.task = task(self, op)
             if reserve:
                 self._names.add(name)
@@ -572,6 +576,9 @@ class Engine(CallerDrive, StallInspector):
                 return False
         elif isinstance(w, Sleep):
             if time.monotonic() < w.until:
+                return False
+        elif isinstance(w, Until):
+            if not w.ready():
                 return False
         self._polled.discard(op)
         self._step(op, None)

@@ -16,7 +16,7 @@ operations, the inbox, the collective sequence).
 import sys
 
 from ._mpi import MPI
-from ._waits import Recv, Requests, Sleep, Turn
+from ._waits import Recv, Requests, Sleep, Turn, Until
 
 
 class OpTimeout(TimeoutError):
@@ -133,7 +133,7 @@ class StallInspector:
             return "for an earlier collective operation of this agent, which must start first"
         if isinstance(w, Requests):
             return f"inside {w.what} (MPI does not say for which ranks)"
-        if isinstance(w, Sleep):
+        if isinstance(w, (Sleep, Until)):
             return f"for {w.what}"
         return "for the completion of its own sends"
 

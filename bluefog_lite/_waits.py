@@ -28,6 +28,14 @@ class Turn:
         self.seq = seq
 
 
+class Until:
+    """Resume once ``ready()`` is true (polled with the loop's backoff, like Sleep)."""
+    __slots__ = ("ready", "what")
+
+    def __init__(self, ready, what):
+        self.ready, self.what = ready, what
+
+
 class Sleep:
     """Resume after ``seconds`` (a backoff that neither spins nor blocks the loop)."""
     __slots__ = ("until", "what")

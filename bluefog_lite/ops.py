@@ -60,9 +60,21 @@ def _submit(kind, name, make_task, fuse=None, deliver=None):
     """Enqueue under name, which the op resolved with _op_name before validating its
     arguments: a generated name is used up even by a call that then fails, so that
     generated names stay the same on every agent when an error on some agents is
-    caught and the program goes on. deliver: see _devices.delivery."""
-    return state().engine.submit(name, kind, make_task, fuse, getattr(_caller, "blocking", False),
-                                 deliver=deliver)
+    caught and the program goes on. deliver: see _devices.delivery. The copy of a
+    device input to the host (_input) is waited for here by a blocking call, by the
+    operation's task otherwise."""
+    blocking = getattr(_caller, "blocking", False)
+    copy = _devices.take_copy()
+    if copy is not None and blocking:
+        copy.synchronize()
+        copy = None
+    return state().engine.submit(name, kind, make_task, fuse, blocking, deliver=deliver, ready=copy)
+
+
+def _input(tensor, name):
+    """The host tensor operation name sends (_arguments._tensor); for a device
+    tensor, its copy is only queued (see _devices.py): _submit hands it over."""
+    return _tensor(tensor, name, later=True)
 
 
 def _target(tensor, x):
@@ -178,7 +190,7 @@ def _local_allreduce(name, tensor, average, in_place):
     st = state()
     try:
         average = _flag(average, "average")
-        x = _reducible(_tensor(tensor, name), "ALLREDUCE")
+        x = _reducible(_input(tensor, name), "ALLREDUCE")
         if in_place:
             _writable(tensor, "allreduce_")
     except (TypeError, ValueError) as exc:
@@ -211,7 +223,7 @@ def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, nam
 
     def prepare():
         avg = _flag(average, "average")
-        x = _reducible(_tensor(tensor, name), "ALLREDUCE")
+        x = _reducible(_input(tensor, name), "ALLREDUCE")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
     return _collective("ALLREDUCE", name, prepare, _devices.delivery(tensor, False, name))
 
@@ -228,7 +240,7 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
 
     def prepare():
         avg = _flag(average, "average")
-        x = _reducible(_tensor(tensor, name), "ALLREDUCE")
+        x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
     return _collective("ALLREDUCE", name, prepare, _devices.delivery(tensor, True, name))
@@ -242,7 +254,7 @@ def broadcast_nonblocking(tensor, root_rank, name=None):
     name = _op_name(name, "BROADCAST")
 
     def prepare():
-        x = _tensor(tensor, name)
+        x = _input(tensor, name)
         root = _rank(root_rank, "root_rank", state().size)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, None)
     return _collective("BROADCAST", name, prepare, _devices.delivery(tensor, False, name))
@@ -256,7 +268,7 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
     name = _op_name(name, "BROADCAST")
 
     def prepare():
-        x = _tensor(tensor, name)
+        x = _input(tensor, name)
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
@@ -271,7 +283,7 @@ def allgather_nonblocking(tensor, name=None):
     name = _op_name(name, "ALLGATHER")
 
     def prepare():
-        x = _tensor(tensor, name)
+        x = _input(tensor, name)
         if x.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
         return lambda e, op: _collective_tasks.allgather(e, op, x)
@@ -335,6 +347,7 @@ def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weight
         return synchronize(refused.handle)      # raises this agent's error
     name, x, st, sw, srcw, plan, recv_from, check, deliver = call
     if not check:     # a small tensor while the engine idles: see _quick.py
+        _devices.finish_copy()
         result = _quick.neighbor_allreduce(st.engine, name, x, sw, srcw, plan, recv_from)
         if result is not None:
             return result if deliver is None else deliver(result)
@@ -349,7 +362,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
     try:
         _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
-        x = _numeric(_tensor(tensor, name), "neighbor_allreduce")
+        x = _numeric(_input(tensor, name), "neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
     except (TypeError, ValueError) as exc:
@@ -384,7 +397,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
     try:
         _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
-        x = _tensor(tensor, name)
+        x = _input(tensor, name)
         if x.dim() == 0:
             raise ValueError("neighbor_allgather needs a tensor with at least one dimension")
         if (src_ranks is None) != (dst_ranks is None):
@@ -422,7 +435,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
     try:
         _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
-        x = _numeric(_tensor(tensor, name), "hierarchical_neighbor_allreduce")
+        x = _numeric(_input(tensor, name), "hierarchical_neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(
             self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
             st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
@@ -459,7 +472,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
     st = state()
     try:
         _untainted(st, name)
-        x = _numeric(_tensor(tensor, name), "pair_gossip")
+        x = _numeric(_input(tensor, name), "pair_gossip")
         target = _rank(target_rank, "target_rank", st.size, st.rank)
         if (self_weight is None) != (pair_weight is None):
             raise ValueError("pair_gossip: self_weight and pair_weight must be given together (or neither)")

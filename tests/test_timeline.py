@@ -18,7 +18,7 @@ from bluefog_lite.timeline._reader import metadata, read_events, read_spans
 from mpi_helpers import REPO, WORKERS, run_agents
 
 SUB_PHASES = {"ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "NEGOTIATION",
-              "MEMCPY_IN_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE", "ACQUIRE_MUTEX"}
+              "MEMCPY_IN_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE", "ACQUIRE_MUTEX", "WAIT_COPY_TO_HOST"}
 
 
 # ---- reading a trace -----------------------------------------------------------
@@ -171,6 +171,12 @@ def test_device_tensors_show_their_copies_around_the_operation(ops_traces):
         # "win_create"'s); the update's copies above in its own op's row, not inside the put's
         put = [s[2] for s in sorted(t.spans, key=lambda s: s[3]) if s[0] == "dev.win" and s[1] == "main"]
         assert put == ["COPY_TO_HOST", "COPY_TO_HOST", "ENQUEUE_WIN_PUT"], put
+        # a nonblocking call whose copy is still running when the thread admits it (the
+        # stand-in's copy lands 0.3 s late) waits for it first, inside its MPI_ span
+        later = t.activities("dev.later", "communication")
+        assert later[:3] == ["MPI_NEIGHBOR_ALLREDUCE", "WAIT_COPY_TO_HOST", "ALLOCATE_OUTPUT"], later
+        wait = [s for s in t.spans if s[0] == "dev.later" and s[2] == "WAIT_COPY_TO_HOST"]
+        assert len(wait) == 1 and wait[0][4] > wait[0][3], wait
 
 
 def test_user_activities_and_cycle_markers(ops_traces):

@@ -1,11 +1,16 @@
 """The device tensors of the device tests: real CUDA tensors (BF_TEST_DEVICE=cuda, on
 a machine with a GPU) or, by default, a stand-in that reports device cuda:0 while its
 memory is the host's (test machines have no GPU; bluefog_lite treats it as a device
-tensor: copied to the host at the call, the result copied back at synchronize)."""
+tensor: copied to the host at the call, the result copied back at synchronize).
+BF_TEST_SLOW_COPY=1 (stand-in only): the copies to the host of nonblocking calls
+land only some milliseconds after the call, as a GPU's do when it is busy."""
 import os
 import threading
+import time
 
 import torch
+
+import bluefog_lite._devices
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -32,6 +37,40 @@ class FakeCudaTensor(torch.Tensor):
 REAL = os.environ.get("BF_TEST_DEVICE", "fake") == "cuda"
 if REAL:
     assert torch.cuda.is_available(), "BF_TEST_DEVICE=cuda on a machine without CUDA"
+
+
+class SlowCopy:
+    """A copy to the host that lands delay_s (20 ms) after the call (a GPU still busy with the work
+    queued before): until then the host buffer holds other values (NaN, or 77 for
+    integers), which an operation that read it before query() is true would use."""
+    made = 0
+    delay_s = 0.02
+
+    def __init__(self, host, t):
+        SlowCopy.made += 1
+        self.host, self.values = host, t.as_subclass(torch.Tensor).clone()   # the device's values at the call
+        host.fill_(float("nan") if host.is_floating_point() or host.is_complex() else 77)
+        self.due = time.monotonic() + self.delay_s
+        self.lock, self.done = threading.Lock(), False
+
+    def query(self):
+        if time.monotonic() < self.due:
+            return False
+        with self.lock:
+            if not self.done:
+                self.host.copy_(self.values)
+                self.done = True
+        return True
+
+    def synchronize(self):
+        time.sleep(max(0.0, self.due - time.monotonic()))
+        self.query()
+
+
+SLOW = os.environ.get("BF_TEST_SLOW_COPY") == "1"
+if SLOW:
+    assert not REAL, "BF_TEST_SLOW_COPY is for the stand-in device"
+    bluefog_lite._devices._copy_later = SlowCopy
 
 
 def to_device(t):

@@ -10,7 +10,7 @@ import torch
 
 import bluefog_lite as bf
 import topology as topo
-from _devices import REAL, model_to_device, on_device, to_device, to_host
+from _devices import REAL, SLOW, SlowCopy, model_to_device, on_device, to_device, to_host
 from _reference import uniform_mixing
 
 bf.init()
@@ -59,6 +59,17 @@ h = bf.neighbor_allreduce_nonblocking(x, name="nar.changed")
 with torch.no_grad():
     x.add_(100.0)
 check("input changed after the call", bf.synchronize(h), mixed(0, (1000,)))
+
+# -- a nonblocking call does not wait for the GPU: it returns while the work queued before it
+# still runs, and the operation sends what that work wrote --------------------------------------
+if REAL:
+    z = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)      # ~0.1 s of GPU time before z gets its values
+    z.fill_(rank + 1.0)
+    h = bf.neighbor_allreduce_nonblocking(z, name="nar.gpu.busy")
+    busy = not torch.cuda.current_stream().query()
+    check("GPU busy at the call", bf.synchronize(h), np.full(1 << 20, M[rank] @ (np.arange(size) + 1.0)))
+    assert busy, "the nonblocking call waited for the GPU work queued before it"
 
 # -- work queued on a side stream before the call is what is sent (the call copies on the
 # calling thread's current stream), and the result is there for the work after it ------------
@@ -249,6 +260,8 @@ if REAL:   # (torch's load_state_dict moves the state to the parameters' device:
     states = every_agents_state()
     assert all(torch.equal(states[0], states[r]) for r in range(size)), "broadcast_optimizer_state"
 
+if SLOW:
+    print(f"SLOW COPIES {SlowCopy.made}", flush=True)
 print(f"DEVICE {'cuda' if REAL else 'stand-in'}")
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)

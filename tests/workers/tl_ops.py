@@ -8,7 +8,8 @@ import torch
 
 import bluefog_lite as bf
 from bluefog_lite.timeline import _recorder
-from _devices import to_device
+import bluefog_lite._devices
+from _devices import SlowCopy, to_device
 
 bf.init()
 assert _recorder.current is not None, "BLUEFOG_TIMELINE is set: the timeline must be recording"
@@ -40,6 +41,12 @@ h = bf.win_put_nonblocking(to_device(x), "dev.win")
 bf.win_update("dev.win")        # runs as "dev.win#1": the put is not yet synchronized
 bf.win_wait(h)
 bf.win_free("dev.win")
+copy_now = bluefog_lite._devices._copy_later
+SlowCopy.delay_s = 0.3
+bluefog_lite._devices._copy_later = SlowCopy     # this call's copy lands 0.3 s late, as on a busy GPU
+h = bf.neighbor_allreduce_nonblocking(to_device(x), name="dev.later")
+bluefog_lite._devices._copy_later = copy_now
+bf.synchronize(h)
 
 assert bf.timeline_start_activity("user", "LOAD_DATA") is True
 assert bf.timeline_end_activity("user") is True
