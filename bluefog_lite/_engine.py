@@ -82,7 +82,8 @@ def _drain(iterator):
 class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
-                 "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready")
+                 "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready",
+                 "completed")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -104,6 +105,7 @@ class Op:
         self.reserved = True   # its name is in Engine._names until synchronized
         self.deliver = None    # result -> what synchronize returns (_devices.delivery)
         self.ready = None      # the still running copy of its device input to the host (_devices.py)
+        self.completed = False     # _finish does not complete it: see complete_early, split_group
 
     def is_done(self):
         return not self._pending.locked()
@@ -627,9 +629,18 @@ class Engine(CallerDrive, StallInspector):
         # Completed only after the next flush: until then small inputs are queued
         # by reference (copied into the packet at flush), and a woken caller may
         # change its input at once.
-        self._completing.append(op)
+        if not op.completed:
+            self._completing.append(op)
         for rider in op.riders:
+            if rider.completed:
+                continue
             if rider.result is None and rider.error is None:
                 rider.error = op.error     # the group failed before this member's result
             rider.finished_task = True
             self._completing.append(rider)
+
+    def complete_early(self, op):
+        """Complete op (result or error set), a member of a split fused group whose
+        task goes on for the other members (_neighbor_tasks._one_by_one)."""
+        op.completed = op.finished_task = True
+        self._completing.append(op)

@@ -4,7 +4,8 @@ A neighbor operation that may be fused carries a Fusable (its key: the plan and
 dtype; its size). When the loop admits several queued operations at once, the
 small ones (at most the inline limit each) with equal keys are grouped, each
 group at most BLUEFOG_FUSION_THRESHOLD bytes in all; a group's first operation
-(the lead) runs the group's task and the others ride along. Before admitting
+(the lead) runs the group's task and the others ride along (a group that waits
+long for some members' inputs is split: _stalls.split_group). Before admitting
 fusable calls the thread lets a burst of them settle (settle()), so that an
 optimizer's launch of every parameter is cut into the same groups on every agent.
 """

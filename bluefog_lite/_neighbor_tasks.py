@@ -8,7 +8,7 @@ from ._devices import copied
 from ._stream import Member, Outgoing
 from ._tasks import (_HALVES, BadInput, _check_same, _describe, _meta, _phase, _raise_if_refused,
                      _raise_other_kind, _release, exchange_headers, weighted_sum)
-from ._waits import Recv
+from ._waits import Partial, Recv
 from .timeline import _recorder as tl
 
 
@@ -126,6 +126,9 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
         _send_all(eng, lead, None, flat, send_plan, desc)
         mark_sends(names, (dst for dst, _ in send_plan))
         entries = yield Recv([(src, name) for src in recv_from for name in names])
+    if entries.__class__ is Partial:      # the group was split (_stalls.py)
+        yield from _one_by_one(eng, ops, xs, self_weight, src_weights, recv_from, entries.taken)
+        return lead.result
     try:
         k = len(names)
         dtype = _meta(xs[0])[0]
@@ -183,16 +186,45 @@ def _each_alone(ops, xs, entries, self_weight, src_weights, recv_from):
     member is checked and averaged on its own, so only the mismatched ones fail."""
     k = len(ops)
     for i, (op, x) in enumerate(zip(ops, xs)):
-        mine = [entries[j * k + i] for j in range(len(recv_from))]
-        try:
-            _check_same(op, x, mine)
-            op.result = weighted_sum(torch.empty_like(x), x, self_weight,
-                                     [(e.value, src_weights.get(e.src, 0.0)) for e in mine])
-        except ValueError as exc:
-            op.error = exc
+        _alone(op, x, [entries[j * k + i] for j in range(len(recv_from))], self_weight, src_weights)
     if ops[0].error is not None:
         raise ops[0].error
     return ops[0].result
+
+
+def _alone(op, x, mine, self_weight, src_weights):
+    """Member op's result (or error) from its own entries, mine (released by the caller)."""
+    try:
+        _check_same(op, x, mine)
+        op.result = weighted_sum(torch.empty_like(x), x, self_weight,
+                                 [(e.value, src_weights.get(e.src, 0.0)) for e in mine])
+    except ValueError as exc:
+        op.error = exc
+
+
+def _one_by_one(eng, ops, xs, self_weight, src_weights, recv_from, taken):
+    """The rest of a fused group after the stall inspector split it (Engine.split_group):
+    each member is averaged alone and completed as soon as all its inputs are in.
+    taken: {(src, name): entry} of the members complete so far."""
+    left = list(range(len(ops)))
+    while True:
+        done = [i for i in left if all((src, ops[i].name) in taken for src in recv_from)]
+        for i in done:
+            mine = [taken.pop((src, ops[i].name)) for src in recv_from]
+            try:
+                with _phase(ops[i].name, "COMPUTE_AVERAGE"):
+                    _alone(ops[i], xs[i], mine, self_weight, src_weights)
+            finally:
+                _release(mine)
+            eng.complete_early(ops[i])
+        left = [i for i in left if i not in done]
+        if not left:
+            return
+        names = [ops[i].name for i in left]
+        keys = [(src, name) for src in recv_from for name in names]
+        with _phase(names, "COMMUNICATE"):
+            got = yield Recv(keys)
+        taken = got.taken if got.__class__ is Partial else dict(zip(keys, got))
 
 
 def neighbor_allgather(eng, op, x, send_to, recv_from, check):

@@ -8,7 +8,10 @@ they do not feed the next operation of its name. Both messages add hints at the
 cause: ranks that sent data of the name that the call does not take (senders
 and receivers that disagree), and collectives other agents wait in that this
 agent has not started. At shutdown, data that no operation took is reported
-(report_untaken).
+(report_untaken). A fused group that has waited SPLIT_AFTER_S with the inputs of
+some members all in is split (split_group): those members complete, and the
+rest one by one, since a neighbor may send the others only once one of them is
+done (agents that order their calls differently).
 
 StallInspector is part of the Engine (its state is the engine's: the active
 operations, the inbox, the collective sequence).
@@ -16,7 +19,7 @@ operations, the inbox, the collective sequence).
 import sys
 
 from ._mpi import MPI
-from ._waits import Recv, Requests, Sleep, Turn, Until
+from ._waits import Partial, Recv, Requests, Sleep, Turn, Until
 
 
 class OpTimeout(TimeoutError):
@@ -29,11 +32,15 @@ def _receivers_pending(op):
     return sorted({dst for _, (_, dst) in op.data_requests})
 
 
+SPLIT_AFTER_S = 0.5    # a fused group that waits this long with some members' inputs in is split
+
+
 def _fused_with(op):
-    """' (fused with 'b', 'c')' for the lead of a fused group (messages name every member)."""
-    if not op.riders:
+    """' (fused with 'b', 'c')' for the lead of a fused group (messages name every
+    member not yet completed)."""
+    names = [r.name for r in op.riders if not r.completed and r.name != op.name]
+    if not names:
         return ""
-    names = [r.name for r in op.riders]
     shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return f" (fused with {shown})"
 
@@ -81,6 +88,42 @@ class StallInspector:
         except (RuntimeError, KeyError, IndexError, AttributeError):
             return []
         return found
+
+    def split_group(self, op):
+        """A fused group (op runs its task) waiting with the inputs of some members all
+        in and others' not: a neighbor may wait for this agent to finish one of the
+        first before it sends the rest (agents that issue calls in different orders),
+        which would deadlock if the group went on waiting as one. Hand the task to
+        a runner op that nobody synchronizes, whose riders are all the members,
+        resume it with those members' entries (Partial): it completes them and waits
+        for the rest one member at a time (_neighbor_tasks._one_by_one). False if no
+        member is complete."""
+        keys = op.wait.keys
+        by_name = {}
+        for key in keys:
+            by_name.setdefault(key[1], []).append(key)
+        has = self.stream.has
+        ready = [k for ks in by_name.values() if all(has(*key) for key in ks) for k in ks]
+        if not ready:
+            return False
+        if op.completed:     # already the runner of a split group
+            runner = op
+        else:
+            runner = self._new_op(op.name, op.kind)
+            runner.completed, runner.reserved = True, False
+            runner.task, runner.wait, runner.riders = op.task, op.wait, (op, *op.riders)
+            op.task, op.wait, op.riders = None, None, ()
+            self._active.discard(op)
+            self._active.add(runner)
+        for key in keys:
+            if self._waiters.get(key) in (op, runner):
+                del self._waiters[key]
+        runner.wait = None
+        self._step(runner, Partial(dict(zip(ready, self._take_all(ready)))))
+        left = [m.name for m in runner.riders if not m.completed]
+        if left:
+            runner.name = left[0]      # (what the inspector's messages name, with _fused_with)
+        return True
 
     def _lacking(self, wait):
         """The ranks whose entry a Recv wait still lacks."""
@@ -140,6 +183,8 @@ class StallInspector:
     def _inspect_stalls(self, now):
         for op in list(self._active):
             waited = now - op.waiting_since
+            if op.riders and waited > SPLIT_AFTER_S and op.wait.__class__ is Recv and self.split_group(op):
+                continue
             if not op.warned and waited > self.stall_warning_s:
                 op.warned = True
                 what = self._waiting_for(op)

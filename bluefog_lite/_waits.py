@@ -12,6 +12,16 @@ class Recv:
         self.keys = keys
 
 
+class Partial:
+    """What a fused group's Recv resumes with when the stall inspector splits the
+    group (_stalls.py): the entries of the members whose inputs are all in, by key;
+    the task completes those members and waits for the rest."""
+    __slots__ = ("taken",)
+
+    def __init__(self, taken):
+        self.taken = taken
+
+
 class Requests:
     """Wait until MPI requests complete (nonblocking collectives)."""
     __slots__ = ("reqs", "what")

@@ -44,6 +44,20 @@ def test_fused_groups_match_numpy_when_agents_group_differently(n):
     run_agents(n, "ops_fused_groups.py", timeout=150)
 
 
+def test_a_fused_group_completes_its_members_one_by_one_when_agents_order_calls_differently():
+    """Rank 0 fuses a and b and waits for a before calling c; the others call a, c, b,
+    blocking: without splitting the group (after SPLIT_AFTER_S) this deadlocks."""
+    _, out = run_agents(4, "ops_fusion_order.py", timeout=60)
+    assert "FUSED ROUNDS 6" in out, out[-2000:]      # (the scenario needs its calls in one group)
+
+
+def test_a_member_of_a_fused_group_that_nobody_sends_times_out_alone():
+    """Rank 0 fuses a and b; the others never call b: a completes, b times out (named)."""
+    _, out = run_agents(4, "ops_fusion_order.py", "never-b", timeout=60, untaken_ok=True,
+                        env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+    assert "B TIMED OUT" in out
+
+
 def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
     # (the receiver that never comes is told at shutdown)
     run_agents(4, "ops_failed_sends.py", timeout=90, untaken_ok=True, env={"BLUEFOG_STALL_WARNING_S": "30"})

@@ -1,0 +1,114 @@
+"""Agents issuing the same neighbor_allreduce calls in different orders, waiting in
+between, while fusion groups some of them (tests/test_ops.py): rank 0 issues a and b
+nonblocking (one fused group), waits for a, then calls c, then waits for b; its
+neighbors call a, c and b blocking, in that order. Their b waits for rank 0's c,
+which waits for rank 0's a, which would wait for the rest of its group (b) if the
+group could only complete as one: the stall inspector splits a group that waits long
+with some members' inputs in. Then a chain that splits one group twice. Every
+result against numpy.
+
+With the argument "never-b" (BLUEFOG_OP_TIMEOUT_S set by the test): the others
+never call b. Rank 0's a still completes, and only b times out, named in the error."""
+import sys
+import time
+
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology as topo
+from bluefog_lite._runtime import state
+
+bf.init(topology_fn=topo.ExponentialTwoGraph)
+rank, size = bf.rank(), bf.size()
+stats = state().engine.stream.stats
+
+
+def data(r, round_, k):
+    return np.random.default_rng([r, round_, "abcxyz".index(k)]).normal(size=(6,))
+
+
+def want(round_, k):
+    """The default static average: uniform over self and the in-neighbors."""
+    ins = bf.in_neighbor_ranks()
+    w = 1.0 / (len(ins) + 1)
+    return w * data(rank, round_, k) + sum(w * data(r, round_, k) for r in ins)
+
+
+def grouped(*calls):
+    """The handles of calls made while this thread holds the communication thread's
+    loop (its drive lock), so that the thread admits them at once: one fused group."""
+    engine = state().engine
+    with engine._drive:
+        handles = [call() for call in calls]
+    engine._handback.set()
+    return handles
+
+
+def nonblocking(x, name):
+    return lambda: bf.neighbor_allreduce_nonblocking(x, name=name)
+
+
+if sys.argv[1:] == ["never-b"]:
+    from bluefog_lite._stalls import OpTimeout
+    x = {k: torch.from_numpy(data(rank, 0, k)) for k in "ab"}
+    if rank == 0:
+        ha, hb = grouped(nonblocking(x["a"], "a"), nonblocking(x["b"], "b"))
+        np.testing.assert_allclose(bf.synchronize(ha).numpy(), want(0, "a"), rtol=1e-12)
+        assert stats["fused_groups"] == 1, stats["fused_groups"]
+        try:
+            bf.synchronize(hb)
+            raise AssertionError("b did not time out")
+        except OpTimeout as exc:
+            assert str(exc).startswith("NEIGHBOR_ALLREDUCE 'b' timed out"), exc
+            print("B TIMED OUT", flush=True)
+    else:
+        bf.neighbor_allreduce(x["a"], name="a")
+        time.sleep(4.0)      # (rank 0 waits for b's timeout before the barrier)
+    bf.barrier()
+    bf.shutdown()
+    print(f"AGENT OK {rank}", flush=True)
+    sys.exit(0)
+
+fused = 0
+for round_ in range(4):
+    x = {k: torch.from_numpy(data(rank, round_, k)) for k in "abc"}
+    names = {k: f"{k}.{round_}" for k in "abc"}
+    got = {}
+    if rank == 0:
+        before = stats["fused_groups"]
+        ha, hb = grouped(nonblocking(x["a"], names["a"]), nonblocking(x["b"], names["b"]))
+        got["a"] = bf.synchronize(ha)
+        fused += stats["fused_groups"] > before
+        got["c"] = bf.neighbor_allreduce(x["c"], name=names["c"])
+        got["b"] = bf.synchronize(hb)
+    else:
+        for k in "acb":
+            got[k] = bf.neighbor_allreduce(x[k], name=names[k])
+    for k in "abc":
+        np.testing.assert_allclose(got[k].numpy(), want(round_, k), rtol=1e-12, err_msg=f"{names[k]}")
+
+# a chain: rank 0 groups a, b and c; the others call a, x, b, y, c. The group is split
+# twice: a completes, then b (the group's runner split again), then c
+for round_ in range(4, 6):
+    x = {k: torch.from_numpy(data(rank, round_, k)) for k in "abcxy"}
+    names = {k: f"{k}.{round_}" for k in "abcxy"}
+    got = {}
+    if rank == 0:
+        before = stats["fused_groups"]
+        handles = dict(zip("abc", grouped(*(nonblocking(x[k], names[k]) for k in "abc"))))
+        got["a"] = bf.synchronize(handles["a"])
+        fused += stats["fused_groups"] > before
+        got["x"] = bf.neighbor_allreduce(x["x"], name=names["x"])
+        got["b"] = bf.synchronize(handles["b"])
+        got["y"] = bf.neighbor_allreduce(x["y"], name=names["y"])
+        got["c"] = bf.synchronize(handles["c"])
+    else:
+        for k in "axbyc":
+            got[k] = bf.neighbor_allreduce(x[k], name=names[k])
+    for k in "abcxy":
+        np.testing.assert_allclose(got[k].numpy(), want(round_, k), rtol=1e-12, err_msg=f"{names[k]}")
+if rank == 0:
+    print(f"FUSED ROUNDS {fused}", flush=True)
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
