@@ -112,14 +112,20 @@ class StallInspector:
             runner = self._new_op(op.name, op.kind)
             runner.completed, runner.reserved = True, False
             runner.task, runner.wait, runner.riders = op.task, op.wait, (op, *op.riders)
+            # the group's sends (a large one of its buffer is tracked until the receiver
+            # has taken it): the runner finishes once they are done
+            runner.data_requests, op.data_requests = op.data_requests, []
             op.task, op.wait, op.riders = None, None, ()
             self._active.discard(op)
             self._active.add(runner)
         for key in keys:
             if self._waiters.get(key) in (op, runner):
                 del self._waiters[key]
+        since, warned = op.waiting_since, op.warned
         runner.wait = None
         self._step(runner, Partial(dict(zip(ready, self._take_all(ready)))))
+        if runner.wait.__class__ is Recv:   # the rest have waited since the group did
+            runner.waiting_since, runner.warned = since, warned
         left = [m.name for m in runner.riders if not m.completed]
         if left:
             runner.name = left[0]      # (what the inspector's messages name, with _fused_with)

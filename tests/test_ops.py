@@ -58,6 +58,10 @@ def test_a_member_of_a_fused_group_that_nobody_sends_times_out_alone():
     assert "B TIMED OUT" in out
 
 
+def test_a_split_group_keeps_its_large_send_until_a_late_receiver_takes_it():
+    run_agents(4, "ops_fusion_order.py", "large", timeout=60)
+
+
 def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
     # (the receiver that never comes is told at shutdown)
     run_agents(4, "ops_failed_sends.py", timeout=90, untaken_ok=True, env={"BLUEFOG_STALL_WARNING_S": "30"})

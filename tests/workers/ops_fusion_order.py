@@ -8,7 +8,9 @@ with some members' inputs in. Then a chain that splits one group twice. Every
 result against numpy.
 
 With the argument "never-b" (BLUEFOG_OP_TIMEOUT_S set by the test): the others
-never call b. Rank 0's a still completes, and only b times out, named in the error."""
+never call b. Rank 0's a still completes, and only b times out, named in the error.
+With "large": a split group whose buffer went out as one large message, taken by a
+neighbor only after the group's members completed."""
 import sys
 import time
 
@@ -65,6 +67,37 @@ if sys.argv[1:] == ["never-b"]:
     else:
         bf.neighbor_allreduce(x["a"], name="a")
         time.sleep(4.0)      # (rank 0 waits for b's timeout before the barrier)
+    bf.barrier()
+    bf.shutdown()
+    print(f"AGENT OK {rank}", flush=True)
+    sys.exit(0)
+
+if sys.argv[1:] == ["large"]:
+    # three 64,000-byte members: a group of 192 KB, whose buffer goes to each neighbor as
+    # one large message (kept in the sender's memory until the receiver takes it).
+    # Rank 1 takes it only at 4 s, long after rank 0's split group completed its members
+    big = {k: torch.from_numpy(np.random.default_rng([rank, ord(k)]).normal(size=8000)) for k in "abc"}
+
+    def big_want(k):
+        ins = bf.in_neighbor_ranks()
+        mine = [np.random.default_rng([r, ord(k)]).normal(size=8000) for r in [rank, *ins]]
+        return sum(mine) / len(mine)
+    got = {}
+    if rank == 0:
+        handles = grouped(*(nonblocking(big[k], k) for k in "abc"))
+        got = {k: bf.synchronize(h) for k, h in zip("abc", handles)}
+        assert stats["fused_groups"] == 1, stats["fused_groups"]
+        junk = [torch.randn(8000 * 3) for _ in range(50)]     # memory freed too early would be reused
+    elif rank == 1:
+        time.sleep(4.0)
+        got = {k: bf.neighbor_allreduce(big[k], name=k) for k in "abc"}
+    else:
+        ha = bf.neighbor_allreduce_nonblocking(big["a"], name="a")
+        time.sleep(1.5)       # rank 0's group waits for b and c: it is split, a completes first
+        hb, hc = (bf.neighbor_allreduce_nonblocking(big[k], name=k) for k in "bc")
+        got = {"a": bf.synchronize(ha), "b": bf.synchronize(hb), "c": bf.synchronize(hc)}
+    for k in "abc":
+        np.testing.assert_allclose(got[k].numpy(), big_want(k), rtol=1e-12, atol=1e-12, err_msg=k)
     bf.barrier()
     bf.shutdown()
     print(f"AGENT OK {rank}", flush=True)
