@@ -11,7 +11,9 @@ that the caller goes on queuing GPU work meanwhile (an optimizer's hooks during
 the backward pass). A blocking call waits for the copy at once. The communication
 thread never touches device memory. With the timeline on, the copies are
 COPY_TO_HOST and COPY_TO_DEVICE spans on those threads, in the operation's row,
-and an operation that waited for its copy has a WAIT_COPY_TO_HOST phase.
+and the wait for the copy to the host is WAIT_COPY_TO_HOST: a phase of the
+operation on the communication thread, or a span before ENQUEUE_ on the caller's
+for a blocking call.
 """
 import threading
 
@@ -38,8 +40,7 @@ def to_host(t, name, later=False):
     pinned = t.is_cuda and torch.cuda.is_available()
     with _phase(name, "COPY_TO_HOST"):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-        if later and t.is_cuda:
-            finish_copy()     # (an event nobody took: an earlier call failed in between)
+        if later and t.is_cuda:     # (replaces an event nobody took: its call failed in between)
             _pending.copy = _copy_later(host, t.detach())
         else:
             host.copy_(t.detach())
@@ -70,11 +71,13 @@ def take_copy():
     return None if copy.query() else copy
 
 
-def finish_copy():
-    """Wait for this thread's copy to the host made with later=True, if any."""
+def finish_copy(name):
+    """Wait for this thread's copy to the host made with later=True, if any (for a
+    blocking call of operation name: a WAIT_COPY_TO_HOST span on this thread)."""
     copy = take_copy()
     if copy is not None:
-        copy.synchronize()
+        with _phase(name, "WAIT_COPY_TO_HOST"):
+            copy.synchronize()
 
 
 def copied(ops):

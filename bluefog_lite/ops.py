@@ -64,10 +64,11 @@ def _submit(kind, name, make_task, fuse=None, deliver=None):
     device input to the host (_input) is waited for here by a blocking call, by the
     operation's task otherwise."""
     blocking = getattr(_caller, "blocking", False)
-    copy = _devices.take_copy()
-    if copy is not None and blocking:
-        copy.synchronize()
+    if blocking:
+        _devices.finish_copy(name)
         copy = None
+    else:
+        copy = _devices.take_copy()
     return state().engine.submit(name, kind, make_task, fuse, blocking, deliver=deliver, ready=copy)
 
 
@@ -347,7 +348,7 @@ def neighbor_allreduce(tensor, *, self_weight=None, src_weights=None, dst_weight
         return synchronize(refused.handle)      # raises this agent's error
     name, x, st, sw, srcw, plan, recv_from, check, deliver = call
     if not check:     # a small tensor while the engine idles: see _quick.py
-        _devices.finish_copy()
+        _devices.finish_copy(name)
         result = _quick.neighbor_allreduce(st.engine, name, x, sw, srcw, plan, recv_from)
         if result is not None:
             return result if deliver is None else deliver(result)

@@ -18,7 +18,7 @@ from bluefog_lite.timeline._reader import metadata, read_events, read_spans
 from mpi_helpers import REPO, WORKERS, run_agents
 
 SUB_PHASES = {"ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "NEGOTIATION",
-              "MEMCPY_IN_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE", "ACQUIRE_MUTEX", "WAIT_COPY_TO_HOST"}
+              "MEMCPY_IN_FUSION_BUFFER", "WIN_SYNC_COMPUTE_AVERAGE", "ACQUIRE_MUTEX"}
 
 
 # ---- reading a trace -----------------------------------------------------------
@@ -176,7 +176,12 @@ def test_device_tensors_show_their_copies_around_the_operation(ops_traces):
         later = t.activities("dev.later", "communication")
         assert later[:3] == ["MPI_NEIGHBOR_ALLREDUCE", "WAIT_COPY_TO_HOST", "ALLOCATE_OUTPUT"], later
         wait = [s for s in t.spans if s[0] == "dev.later" and s[2] == "WAIT_COPY_TO_HOST"]
-        assert len(wait) == 1 and wait[0][4] > wait[0][3], wait
+        assert len(wait) == 1 and wait[0][4] > wait[0][3] and wait[0][5] == "MPI_NEIGHBOR_ALLREDUCE", wait
+        # a blocking call waits for it on the caller's thread, before its ENQUEUE_
+        spans = sorted((s for s in t.spans if s[0] == "dev.later.blocking" and s[1] == "main"), key=lambda s: s[3])
+        assert [s[2] for s in spans] == ["COPY_TO_HOST", "WAIT_COPY_TO_HOST", "ENQUEUE_NEIGHBOR_ALLREDUCE",
+                                         "COPY_TO_DEVICE"], spans
+        assert "WAIT_COPY_TO_HOST" not in t.activities("dev.later.blocking", "communication")
 
 
 def test_user_activities_and_cycle_markers(ops_traces):

@@ -45,8 +45,9 @@ copy_now = bluefog_lite._devices._copy_later
 SlowCopy.delay_s = 0.3
 bluefog_lite._devices._copy_later = SlowCopy     # this call's copy lands 0.3 s late, as on a busy GPU
 h = bf.neighbor_allreduce_nonblocking(to_device(x), name="dev.later")
-bluefog_lite._devices._copy_later = copy_now
 bf.synchronize(h)
+bf.neighbor_allreduce(to_device(x), name="dev.later.blocking")      # waits for its copy at the call
+bluefog_lite._devices._copy_later = copy_now
 
 assert bf.timeline_start_activity("user", "LOAD_DATA") is True
 assert bf.timeline_end_activity("user") is True
