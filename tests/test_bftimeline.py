@@ -84,9 +84,10 @@ def innermost_slice(spans, pid, tid, ts):
     return max(inside, key=lambda s: s.begin) if inside else None
 
 
-def check_flows(events):
-    """Every arrow has one start and one finish, each inside a COMMUNICATE slice;
-    returns [(from pid, to pid, s event, f event)]."""
+def check_flows(events, unfinished_sends=()):
+    """Every arrow has one start and one finish, each inside a COMMUNICATE slice (a
+    start of the occurrences in unfinished_sends, (pid, occurrence) of a killed agent's
+    last call, inside its MPI_ slice); returns [(from pid, to pid, s event, f event)]."""
     spans = read_spans(events)          # also checks nesting on every (pid, tid) row
     ends = collections.defaultdict(dict)
     for ev in events:
@@ -100,7 +101,10 @@ def check_flows(events):
         assert s["cat"] == f["cat"] and s["name"] == f["name"] and f.get("bp") == "e"
         for ev in (s, f):
             where = innermost_slice(spans, ev["pid"], ev["tid"], ev["ts"])
-            assert where is not None and where.name == "COMMUNICATE", f"arrow end not in COMMUNICATE: {ev}"
+            slice_name = "COMMUNICATE"
+            if ev is s and (ev["pid"], s["args"]["occurrence"]) in unfinished_sends:
+                slice_name = "MPI_" + s["args"]["op"]
+            assert where is not None and where.name == slice_name, f"arrow end not in {slice_name}: {ev}"
         arrows.append((s["pid"], f["pid"], s, f))
     return arrows
 
@@ -334,6 +338,27 @@ def crashed_run(folder):
                                                          (20100, None)) + [("v", "main", "FORWARD", 20200, 20500)],
                 crashed=True)
     return prefix
+
+
+def test_a_killed_agents_marked_sends_of_its_last_call_still_get_arrows(tmp_path, capsys):
+    """As the writer records it now: a sub-phase is one "X" event written when it ends,
+    so agent 1, killed inside the COMMUNICATE of its second call, left no COMMUNICATE
+    for it, only the open MPI_ slice and the "SEND_TO 0" mark made when it sent."""
+    prefix = str(tmp_path / "tl_")
+    first = op_call("x", "NEIGHBOR_ALLREDUCE", (10000, 10900), (10050, 10850), (10100, 10800))
+    write_agent(prefix + "0.json", 0, 2, first + op_call("x", "NEIGHBOR_ALLREDUCE", (20000, 20900),
+                                                         (20050, 20850), (20100, 20800)))
+    write_agent(prefix + "1.json", 1, 2, first + [("x", "main", "ENQUEUE_NEIGHBOR_ALLREDUCE", 20000, None),
+                                                  ("x", "communication", "MPI_NEIGHBOR_ALLREDUCE", 20050, None),
+                                                  ("v", "main", "FORWARD", 20200, 20500)],
+                instants=[("x", "communication", "SEND_TO 0", 20120)], crashed=True)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    flows = check_flows(load_json(tmp_path / "m.json"), unfinished_sends={(2, 1)})
+    arrows = sorted((u, v, s["args"]["occurrence"]) for u, v, s, _ in flows)
+    assert arrows == [(1, 2, 0), (2, 1, 0), (2, 1, 1)]      # (pids: agent r is r + 1)
+    last = [s for u, v, s, _ in flows if s["args"]["occurrence"] == 1]
+    assert 20120 <= last[0]["ts"] <= 20500, last       # from the mark
 
 
 def test_streaming_reader_accepts_a_crashed_file(tmp_path):

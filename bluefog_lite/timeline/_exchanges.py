@@ -83,6 +83,13 @@ class AgentExchanges:
                 ex.send_end.append(first.end)
                 ex.recv_begin.append(final.begin)
                 ex.recv.append(final.end if final.finished else NAN)
+            elif marked and not s.finished:
+                # the agent was killed while it communicated: COMMUNICATE is written once
+                # it ends (one "X" event), but its sends were marked: they leave from the mark
+                ex.send.append(next(ts for ts, _ in sends if s.begin <= ts <= s.end))
+                ex.send_end.append(s.end)
+                ex.recv_begin.append(NAN)
+                ex.recv.append(NAN)
             else:
                 for column in ex[:4]:
                     column.append(NAN)
