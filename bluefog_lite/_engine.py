@@ -36,7 +36,7 @@ from ._doorbell import ANYTHING, URGENT_ONLY, Doorbell
 from ._mpi import MPI
 from ._pool import BufferPool
 from ._caller_drive import CallerDrive
-from ._stalls import StallInspector
+from ._stalls import INSPECT_EVERY_S, StallInspector
 from ._stream import StreamEndpoint
 from ._waits import Recv, Requests, Sleep, Turn, Until
 from .timeline import _recorder as tl
@@ -338,7 +338,7 @@ class Engine(CallerDrive, StallInspector):
 
     def _cycle(self, status):
         """One pass of the loop, by whichever thread holds the drive lock: admit what
-        was queued, make progress, inspect stalls every half second. Returns
+        was queued, make progress, inspect stalls every INSPECT_EVERY_S. Returns
         (whether anything moved, the time after the pass)."""
         marked = False
         if self._queue:
@@ -353,7 +353,7 @@ class Engine(CallerDrive, StallInspector):
         if self.mark_cycles and moved and not marked:
             tl.instant("cycle", "CYCLE_START")
         now = time.monotonic()
-        if now - self._last_inspect > 0.5:
+        if now - self._last_inspect > INSPECT_EVERY_S:
             self._inspect_stalls(now)
             self._flush()
             self._last_inspect = now

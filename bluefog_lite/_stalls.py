@@ -1,6 +1,6 @@
 """The stall inspector: what an operation that waits too long is told.
 
-Every half second the loop looks at its active operations. One that has waited
+Every INSPECT_EVERY_S the loop looks at its active operations. One that has waited
 BLUEFOG_STALL_WARNING_S gets a warning naming the ranks it waits for; with
 BLUEFOG_OP_TIMEOUT_S set, one that has waited that long fails with OpTimeout,
 and the inputs it did not take are dropped (now, or when they come) so that
@@ -32,7 +32,8 @@ def _receivers_pending(op):
     return sorted({dst for _, (_, dst) in op.data_requests})
 
 
-SPLIT_AFTER_S = 0.5    # a fused group that waits this long with some members' inputs in is split
+INSPECT_EVERY_S = 0.1    # (the inspection piggybacks on the loop's passes: it wakes nobody)
+SPLIT_AFTER_S = 0.1      # a fused group that waits this long with some members' inputs in is split
 
 
 def _fused_with(op):

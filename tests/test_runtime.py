@@ -23,7 +23,7 @@ def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its
     warned = re.findall(r"rank 0\): NEIGHBOR_ALLREDUCE '(oneway\.\w+)' has waited ([\d.]+) s for "
                         r"the completion of its own sends \(ranks \[[\d, ]+\] have not taken them\)", out)
     assert sorted(name for name, _ in warned) == ["oneway.loop", "oneway.quick"], out
-    assert all(1.0 < float(s) < 3.0 for _, s in warned), out
+    assert all(1.0 <= float(s) < 3.0 for _, s in warned), out     # (shown to 0.1 s)
 
 
 class _Stalled:
