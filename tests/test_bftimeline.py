@@ -361,6 +361,24 @@ def test_a_killed_agents_marked_sends_of_its_last_call_still_get_arrows(tmp_path
     assert 20120 <= last[0]["ts"] <= 20500, last       # from the mark
 
 
+def test_no_arrow_ends_in_a_killed_agents_call_whose_first_phase_ended(tmp_path, capsys):
+    """Agent 1 was killed in the second COMMUNICATE of its last call (a hierarchical
+    exchange: the machine's, then the machines'): the first ended, so it is in the
+    file, but it is not where the call received what agent 0 sent it."""
+    prefix = str(tmp_path / "tl_")
+    kind = "HIERARCHICAL_NEIGHBOR_ALLREDUCE"
+    first = op_call("h", kind, (10000, 10900), (10050, 10850), (10100, 10800))
+    write_agent(prefix + "0.json", 0, 2, first + op_call("h", kind, (20000, 20900), (20050, 20850), (20100, 20800)))
+    write_agent(prefix + "1.json", 1, 2, first + [("h", "main", "ENQUEUE_" + kind, 20000, None),
+                                                  ("h", "communication", "MPI_" + kind, 20050, None),
+                                                  ("h", "communication", "COMMUNICATE", 20100, 20200),
+                                                  ("v", "main", "FORWARD", 20300, 20500)], crashed=True)
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    arrows = sorted((u, v, s["args"]["occurrence"]) for u, v, s, _ in check_flows(load_json(tmp_path / "m.json")))
+    assert arrows == [(1, 2, 0), (2, 1, 0), (2, 1, 1)]      # none into agent 1's last call
+
+
 def test_streaming_reader_accepts_a_crashed_file(tmp_path):
     prefix = crashed_run(tmp_path)
     path = prefix + "1.json"

@@ -82,7 +82,9 @@ class AgentExchanges:
                 ex.send.append(first.begin)
                 ex.send_end.append(first.end)
                 ex.recv_begin.append(final.begin)
-                ex.recv.append(final.end if final.finished else NAN)
+                # (an MPI_ slice that never ended: its last phase may be missing, so what
+                # ended is not known to be the call's last receive)
+                ex.recv.append(final.end if final.finished and s.finished else NAN)
             elif marked and not s.finished:
                 # the agent was killed while it communicated: COMMUNICATE is written once
                 # it ends (one "X" event), but its sends were marked: they leave from the mark
