@@ -12,12 +12,15 @@ from ._tasks import _HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exc
 from ._waits import Requests, Turn
 
 
-def _collective_call(eng, op, nonempty, post, what):
+def _collective_call(eng, op, nonempty, post, what, sends_to=None):
     """In the global collective order: make the MPI call (none for empty tensors),
-    let later collectives go, and wait for it."""
+    let later collectives go, and wait for it. sends_to: the ranks it sends to, marked
+    for the timeline once the call is posted."""
     yield Turn(op.coll_seq)
     with _phase(op.name, "COMMUNICATE"):
         req = post() if nonempty else None
+        if sends_to is not None:
+            mark_sends(op.name, sends_to)
         eng.posted_collective(op)
         if req is not None:
             yield Requests([req], what)
@@ -77,8 +80,6 @@ def broadcast(eng, op, x, root, target):
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
     if op.ready is not None:
         yield from copied([op])
-    if eng.rank == root:     # timeline: the data goes from the root to every other agent
-        mark_sends(op.name, (r for r in range(eng.size) if r != root))
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         if _writes_in_place(target):
             out = target
@@ -88,7 +89,8 @@ def broadcast(eng, op, x, root, target):
             out.copy_(x)
     yield from _collective_call(eng, op, out.numel() > 0,
                                 lambda: eng.comm.Ibcast([tensor_bytes(out), MPI.BYTE], root=root),
-                                "MPI_Ibcast")
+                                # timeline: the data goes from the root to every other agent
+                                "MPI_Ibcast", [r for r in range(eng.size) if r != root] if eng.rank == root else None)
     if target is not None and out is not target:
         target.copy_(out)
         return target

@@ -124,6 +124,18 @@ def test_sub_phases_nest_inside_their_mpi_span(ops_traces):
         assert nar[:4] == ["MPI_NEIGHBOR_ALLREDUCE", "ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE"]
 
 
+def test_a_broadcast_root_marks_its_sends_inside_communicate(ops_traces):
+    """(bftimeline draws a killed root's arrows from the mark: it must be where the
+    data went out, after the root's MPI call was posted)"""
+    _, traces = ops_traces
+    root = traces[0]
+    pid = next(p for p, name in root.process.items() if name == "bc")
+    marks = [ev["ts"] for ev in root.events if ev.get("ph") == "i" and ev["pid"] == pid]
+    comm = [(s[3], s[4]) for s in root.spans if s[0] == "bc" and s[2] == "COMMUNICATE"]
+    assert len(marks) == 1 and len(comm) == 1 and comm[0][0] <= marks[0] <= comm[0][1], (marks, comm)
+    assert not [i for t in traces[1:] for i in t.instants if i[0] == "bc"]      # (only the root sends)
+
+
 def test_machine_ops_have_the_three_phases_and_name_their_receivers(ops_traces):
     """hierarchical_neighbor_allreduce and the machine-local allreduce (2 machines of 2
     agents) show ALLOCATE_OUTPUT, COMMUNICATE and COMPUTE_AVERAGE; each SEND_TO mark
