@@ -270,8 +270,10 @@ class Engine(CallerDrive, StallInspector):
         if self._thread.is_alive():
             with self._lock:     # (done but never synchronized is not in flight)
                 unfinished = sorted({op.name for op in self._ops.values() if not op.is_done()})
+            sending = self._split_groups_sending()
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): shutdown with operations "
-                             f"still in flight: {unfinished}\n")
+                             f"still in flight: {unfinished}"
+                             + (f" (and the sends of the split fused group {sending})" if sending else "") + "\n")
             return
         try:
             self.report_untaken(self._caller_status)
@@ -638,6 +640,14 @@ class Engine(CallerDrive, StallInspector):
                 rider.error = op.error     # the group failed before this member's result
             rider.finished_task = True
             self._completing.append(rider)
+
+    def _split_groups_sending(self):
+        """The member names of split fused groups whose runner still sends (a snapshot
+        from another thread while the loop runs: empty if it changed meanwhile)."""
+        try:
+            return sorted({m.name for op in list(self._active) if op.completed for m in op.riders})
+        except RuntimeError:      # (the set changed during the copy)
+            return []
 
     def complete_early(self, op):
         """Complete op (result or error set), a member of a split fused group whose

@@ -62,6 +62,12 @@ def test_a_split_group_keeps_its_large_send_until_a_late_receiver_takes_it():
     run_agents(4, "ops_fusion_order.py", "large", timeout=60)
 
 
+def test_shutdown_names_a_split_group_whose_large_send_nobody_takes():
+    _, out = run_agents(4, "ops_fusion_order.py", "shut", timeout=60, untaken_ok=True,
+                        env={"BLUEFOG_STALL_WARNING_S": "2"})
+    assert "still in flight: [] (and the sends of the split fused group ['a', 'b', 'c'])" in out, out[-3000:]
+
+
 def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
     # (the receiver that never comes is told at shutdown)
     run_agents(4, "ops_failed_sends.py", timeout=90, untaken_ok=True, env={"BLUEFOG_STALL_WARNING_S": "30"})

@@ -10,7 +10,8 @@ result against numpy.
 With the argument "never-b" (BLUEFOG_OP_TIMEOUT_S set by the test): the others
 never call b. Rank 0's a still completes, and only b times out, named in the error.
 With "large": a split group whose buffer went out as one large message, taken by a
-neighbor only after the group's members completed."""
+neighbor only after the group's members completed. With "shut": a neighbor that
+never takes it, and the shutdown warning naming the group."""
 import sys
 import time
 
@@ -68,6 +69,28 @@ if sys.argv[1:] == ["never-b"]:
         bf.neighbor_allreduce(x["a"], name="a")
         time.sleep(4.0)      # (rank 0 waits for b's timeout before the barrier)
     bf.barrier()
+    bf.shutdown()
+    print(f"AGENT OK {rank}", flush=True)
+    sys.exit(0)
+
+if sys.argv[1:] == ["shut"]:
+    # rank 0 -> 1 only, and 0 <-> 2 <-> 3 <-> 0: rank 1 never calls, so the large send of
+    # rank 0's split group to it is never taken; shutdown (after BLUEFOG_STALL_WARNING_S)
+    # warns naming the group
+    import networkx as nx
+    g = nx.DiGraph([(i, i) for i in range(size)] + [(0, 1), (0, 2), (2, 0), (3, 0), (2, 3), (3, 2)])
+    assert bf.set_topology(g)
+    big = {k: torch.from_numpy(np.random.default_rng([rank, ord(k)]).normal(size=8000)) for k in "abc"}
+    if rank == 0:
+        for h in grouped(*(nonblocking(big[k], k) for k in "abc")):
+            bf.synchronize(h)
+        assert stats["fused_groups"] == 1, stats["fused_groups"]
+    elif rank in (2, 3):
+        ha = bf.neighbor_allreduce_nonblocking(big["a"], name="a")
+        time.sleep(0.5)
+        hb, hc = (bf.neighbor_allreduce_nonblocking(big[k], name=k) for k in "bc")
+        for h in (ha, hb, hc):
+            bf.synchronize(h)
     bf.shutdown()
     print(f"AGENT OK {rank}", flush=True)
     sys.exit(0)
