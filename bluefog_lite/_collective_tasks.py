@@ -49,8 +49,7 @@ def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
     views = yield from exchange_headers(eng, op, _meta(x), mpi_call=True)
     _same_meta_or_raise(op, views, _meta_text)
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     dtype = x.dtype
     wide = _reduced_in(dtype, average)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
@@ -78,8 +77,7 @@ def allreduce(eng, op, x, average, target):
 def broadcast(eng, op, x, root, target):
     views = yield from exchange_headers(eng, op, (root, _meta(x)), mpi_call=True)
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         if _writes_in_place(target):
             out = target
@@ -104,8 +102,7 @@ def allgather(eng, op, x):
         listing = ", ".join(f"rank {r}: {_meta_text(v)}" for r, v in enumerate(views))
         raise ValueError(f"{op.kind} {op.name!r}: tensors must have at least one dimension and agree "
                          f"on dtype and all dimensions but the first ({listing})")
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         firsts = [shape[0] for _, shape in views]
         out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)

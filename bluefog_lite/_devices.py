@@ -80,19 +80,24 @@ def finish_copy(name):
             copy.synchronize()
 
 
-def copied(ops):
-    """``yield from copied(ops)`` in the task of ops (one op, or a fused group's
-    members), before it first reads their inputs: waits, without blocking the loop,
-    for the copies to the host of their device inputs that are still running
-    (op.ready; an operation that negotiates first takes its place in the order of
-    collectives before it waits)."""
+def copied(*ops):
+    """``yield from copied(op)`` (a fused group: ``copied(*members)``) in a task, before
+    it first reads its inputs: waits, without blocking the loop, for the copies to
+    the host of their device inputs that are still running (op.ready; an operation
+    that negotiates first takes its place in the order of collectives before it
+    waits). With none running (a host tensor) it is an empty tuple: no generator."""
     copies = [op.ready for op in ops if op.ready is not None]
+    if not copies:
+        return ()
     for op in ops:
         op.ready = None
     copies = [c for c in copies if not c.query()]
-    if copies:
-        with _phase(ops[0].name if len(ops) == 1 else [op.name for op in ops], "WAIT_COPY_TO_HOST"):
-            yield Until(lambda: all(c.query() for c in copies), "the copy of its tensor to the host (on the GPU)")
+    return _waiting(copies, ops[0].name if len(ops) == 1 else [op.name for op in ops]) if copies else ()
+
+
+def _waiting(copies, names):
+    with _phase(names, "WAIT_COPY_TO_HOST"):
+        yield Until(lambda: all(c.query() for c in copies), "the copy of its tensor to the host (on the GPU)")
 
 
 def delivery(t, in_place, name):

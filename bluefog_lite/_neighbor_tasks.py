@@ -75,8 +75,7 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
     name = op.name
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     with _phase(name, "ALLOCATE_OUTPUT"):
         out = torch.empty_like(x)
     with _phase(name, "COMMUNICATE"):
@@ -111,8 +110,7 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
     output). Members of a neighbor's group arrive back to back; when the neighbor
     grouped them differently, its parts are gathered into one buffer first."""
     ops = [op for op, _ in members]
-    if any(op.ready is not None for op in ops):
-        yield from copied(ops)
+    yield from copied(*ops)
     xs = [x for _, x in members]
     names = [op.name for op in ops]
     sizes = [x.numel() for x in xs]
@@ -231,8 +229,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     name = op.name
     if check:
         yield from _topology_check(eng, op, send_to, recv_from)
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     with _phase(name, "COMMUNICATE"):
         out = Outgoing(x, sent_by=op.kind)
         for dst in send_to:
@@ -259,8 +256,7 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
 
 def pair_gossip(eng, op, x, target, self_weight, pair_weight):
     name = op.name
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     with _phase(name, "ALLOCATE_OUTPUT"):
         out = torch.empty_like(x)
     with _phase(name, "COMMUNICATE"):
@@ -280,8 +276,7 @@ def _machine_sum(eng, op, x, local_ranks):
     every local agent gets bitwise the same value: in float32 for 16-bit floats (as
     allreduce adds them), in int64 for integers (exact; cast back to a narrower
     dtype it wraps around as allreduce's MPI sum does)."""
-    if op.ready is not None:
-        yield from copied([op])
+    yield from copied(op)
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
     with _phase(op.name, "ALLOCATE_OUTPUT"):
