@@ -72,8 +72,8 @@ class AgentExchanges:
             if kind not in EXCHANGE_KINDS:
                 return
             inside = [c for c in pending if c.begin >= s.begin and c.end <= s.end]
-            marked = [ranks for ts, ranks in sends if s.begin <= ts <= s.end]   # ("SEND_TO ": nobody)
-            marks = [r for ranks in marked for r in ranks]
+            marked = [(ts, ranks) for ts, ranks in sends if s.begin <= ts <= s.end]   # ("SEND_TO ": nobody)
+            marks = [r for _, ranks in marked for r in ranks]
             ex = self._exchanges.get((s.pid, kind))
             if ex is None:
                 ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [])
@@ -88,7 +88,7 @@ class AgentExchanges:
             elif marked and not s.finished:
                 # the agent was killed while it communicated: COMMUNICATE is written once
                 # it ends (one "X" event), but its sends were marked: they leave from the mark
-                ex.send.append(next(ts for ts, _ in sends if s.begin <= ts <= s.end))
+                ex.send.append(marked[0][0])
                 ex.send_end.append(s.end)
                 ex.recv_begin.append(NAN)
                 ex.recv.append(NAN)
