@@ -97,8 +97,10 @@ class Departures:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.02)
             if not warned and time.monotonic() - start > self.engine.stall_warning_s:
-                warned = True
                 waiting = [r for r, q in recvs.items() if not q.Test()]
+                if not waiting:     # the last notices came in since Testall: nobody to name
+                    continue
+                warned = True
                 sys.stderr.write(f"bluefog_lite WARNING (rank {me}): shutdown has waited "
                                  f"{time.monotonic() - start:.0f} s for ranks {waiting} to shut down too\n")
                 sys.stderr.flush()
