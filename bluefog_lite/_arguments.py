@@ -60,7 +60,16 @@ def _numeric(t, op):
     return t
 
 
+def _item(x):
+    """x's value when x is a tensor or array holding one number (a weight or rank
+    computed with torch or numpy), else x."""
+    if isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0:
+        return x.item()
+    return x
+
+
 def _weight(w, what):
+    w = _item(w)
     if isinstance(w, bool) or not isinstance(w, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {w!r}")
     w = float(w)
@@ -78,6 +87,7 @@ _UNITS = {"agent": ("rank", "src_weights", "dst_weights", "this agent itself"),
 def _rank(r, what, size, me=None, unit="agent", why_not_me="self is weighted with self_weight"):
     """r as an int rank among size agents (unit "machine": machine ranks among size
     machines), not me (why_not_me: the end of that error)."""
+    r = _item(r)
     if isinstance(r, bool) or not isinstance(r, numbers.Integral):
         raise TypeError(f"{what} must be an integer rank, got {r!r}")
     r = int(r)

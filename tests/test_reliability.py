@@ -198,6 +198,11 @@ def test_negative_weights_are_used_as_given(cases):
     assert cases.of("weights.negative_used_as_given") == {r: "OK" for r in range(N)}
 
 
+def test_one_number_tensors_and_arrays_are_weights_and_ranks(cases):
+    assert cases.of("weights.tensor_and_array_scalars_used_as_numbers") == {r: "OK" for r in range(N)}
+    raised(cases, "weights.tensor_of_two", "TypeError", "self_weight must be a real number", "tensor([0.5")
+
+
 def test_self_weight_without_src_weights(cases):
     for case in ("weights.self_without_src", "weights.src_without_self", "weights.self_and_dst_without_src"):
         raised(cases, case, "ValueError", "self_weight and src_weights must be given together")
