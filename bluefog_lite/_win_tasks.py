@@ -288,7 +288,7 @@ def _spans_hosts(eng):
 def create(eng, op, win, problem, meta, zero_init):
     """problem: None or (error type name, message) found by this agent's checks.
     Returns whether the agents span several hosts (then targets need progress pokes)."""
-    views = yield from exchange_headers(eng, op, (problem, meta, zero_init), mpi_call=True)
+    views = yield from exchange_headers(eng, op, (problem, meta), mpi_call=True)
     _raise_problems(op, views)
     if len({v[1] for v in views}) != 1:
         listing = ", ".join(f"rank {r}: {v[1][0]!r} {v[1][1]}{list(v[1][2])}" for r, v in enumerate(views))
@@ -305,17 +305,15 @@ def create(eng, op, win, problem, meta, zero_init):
         win.p[0] = 1.0
         np.frombuffer(mpi_win.tomemory(), dtype=np.uint8)[:8] = 0     # the mutex word
         _publish(win)
-        if zero_init:
-            for b in win.buffers:
+        # Buffers start as copies of this agent's own tensor (as in Bluefog), or zeros.
+        own = None if zero_init or not win.nbytes else plain(win.tensor).to(win.stored)
+        for b in win.buffers:
+            if own is None:
                 b.zero_()
+            else:
+                b.copy_(own)
     with _phase(op.name, "COMMUNICATE"):
-        # Buffers start as a copy of the neighbor's tensor: each agent pushes its own.
-        src = plain(win.tensor).to(win.stored)
-        for dst in win.out_ranks:
-            if win.nbytes and not views[dst][2]:
-                lay = win.layouts[dst]
-                mpi_win.Put([src.numpy(), win.mpi_type], dst, target=lay.buf(win.slot_at[dst]))
-        mpi_win.Flush_all()
+        # nobody puts into a window before every agent has filled its buffers
         req = eng.comm.Ibarrier()
         eng.posted_collective(op)
         yield Requests([req], "MPI_Ibarrier closing win_create")

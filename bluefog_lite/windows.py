@@ -188,7 +188,7 @@ def win_wait(handle):
 def win_create(tensor, name, zero_init=False):
     """Create window ``name`` from ``tensor`` (collective: every agent calls it with a
     tensor of the same shape and dtype). Each agent gets one buffer per in-neighbor,
-    a copy of that neighbor's tensor (zeros with zero_init). The window keeps
+    a copy of its own tensor, as in Bluefog (zeros with zero_init). The window keeps
     ``tensor`` itself: win_update writes into it (a tensor on a GPU too: the window
     works on host copies of it, see docs/windows.md). The topology is frozen until the
     window is freed. Bad input on any agent raises the same error on all of them."""

@@ -382,7 +382,7 @@ class WindowModel:
         self.name = f"fzwin{call}"
         self.X = [f64(tensor(call, r, self.shape, self.dtype_name)) for r in range(SIZE)]
         zero = bool(rng.random() < 0.5)
-        self.B = [{j: (np.zeros(self.shape) if zero else self.X[j].copy()) for j in T.ins[r]}
+        self.B = [{j: (np.zeros(self.shape) if zero else self.X[r].copy()) for j in T.ins[r]}   # own copies
                   for r in range(SIZE)]
         self.mine = torch.from_numpy(self.X[RANK].copy()).to(DTYPES[self.dtype_name][0])
         bf.win_create(self.mine, self.name, zero_init=zero)

@@ -39,13 +39,14 @@ G = bf.load_topology()
 IN, OUT = ins(G, rank), outs(G, rank)
 assert IN == bf.in_neighbor_ranks() and OUT == bf.out_neighbor_ranks()
 
-# -- create: buffers start as copies of the in-neighbors' tensors -------------------------
+# -- create: buffers start as copies of this agent's own tensor (as in Bluefog) ----------------
 x = torch.from_numpy(data(rank))
 assert bf.win_create(x, "w") is True
 assert bf.get_current_created_window_names() == ["w"]
 assert bf.get_win_version("w") == {s: 0 for s in IN}
-model = {s: data(s) for s in IN}
+model = {s: data(rank) for s in IN}
 u = 1.0 / (len(IN) + 1)
+close(bf.win_update("w", self_weight=0.0, neighbor_weights={IN[0]: 1.0}, clone=True), data(rank))
 y = bf.win_update("w", clone=True)
 close(y, u * data(rank) + sum(u * model[s] for s in IN))
 close(x, data(rank))                     # clone leaves the window's tensor alone
@@ -209,7 +210,7 @@ zc = torch.tensor([complex(1.0, rank + 1.0)], dtype=torch.complex128)
 neg = zc.conj().imag                       # -(rank + 1), contiguous, one element
 assert neg.is_neg() and neg.is_contiguous()
 bf.win_create(neg, "neg")
-close(bf.win_update("neg", clone=True), np.array([-u * sum(s + 1.0 for s in [rank] + IN)]))
+close(bf.win_update("neg", clone=True), np.array([-(rank + 1.0)]))    # own values, not bytes
 bf.barrier()
 bf.win_put(neg, "neg", dst_weights={d: 2.0 for d in OUT})
 bf.barrier()
@@ -227,7 +228,8 @@ W = topo.mixing_matrix(Gw)
 IN = bf.in_neighbor_ranks()
 f = torch.from_numpy(data(rank, 9, np.float32))
 bf.win_create(f, "f32")
-close(bf.win_update("f32"), sum(W[r, rank] * data(r, 9, np.float32) for r in [rank] + IN), 1e-5)
+close(bf.win_update("f32"), sum(W[r, rank] * data(r, 9, np.float32) for r in [rank]) +   # buffers: own copies
+      sum(W[r, rank] * data(rank, 9, np.float32) for r in IN), 1e-5)
 assert f.dtype == torch.float32
 n = torch.full(SHAPE, rank + 1, dtype=torch.int64)
 bf.win_create(n, "i64", zero_init=True)
@@ -250,7 +252,7 @@ for dt, tol in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
     bf.win_create(h, nm)
     y = bf.win_update(nm)                  # the graph's weights, into h
     assert y is h and h.dtype == dt
-    close(y.double(), sum(W[r, rank] * q[r] for r in [rank] + IN), 4 * tol)
+    close(y.double(), sum(W[r, rank] for r in [rank] + IN) * q[rank], 4 * tol)   # buffers: own copies
     bf.barrier()
     # 1.0 put, then a hundred accumulates of 0.0002: each below half the 16-bit spacing
     # at 1.0, so 16-bit buffers would stay at 1.0; float32 buffers reach 1.02
