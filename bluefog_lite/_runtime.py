@@ -20,8 +20,9 @@ from ._departures import Departures
 from ._mpi import MPI
 
 
-class BluefogError(RuntimeError):
-    """Raised for misuse of the runtime (e.g. an operation before init())."""
+class BluefogError(RuntimeError, ValueError):
+    """Raised for misuse of the runtime (e.g. an operation before init()). Also a
+    ValueError, which is what Bluefog raised for it."""
 
 
 class _State:
@@ -242,6 +243,46 @@ def is_homogeneous():
 def mpi_threads_supported():
     state()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def unified_mpi_window_model_supported():
+    """Whether this MPI's windows use the unified memory model (a process's own
+    window memory and what others put there are one copy)."""
+    state()
+    win = MPI.Win.Allocate(8, comm=MPI.COMM_SELF)
+    try:
+        return win.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED
+    finally:
+        win.Free()
+
+
+def nccl_built():
+    """False: bluefog_lite moves GPU tensors through host memory over MPI (no NCCL)."""
+    return False
+
+
+# Bluefog's switch for its negotiation stage. bluefog_lite always negotiates what
+# needs it (collectives, topology checks): it keeps the order of collectives and
+# turns mismatches into errors. The value is kept and reported, and changes nothing.
+_skip_negotiate = False
+
+
+def set_skip_negotiate_stage(value):
+    global _skip_negotiate
+    _skip_negotiate = bool(value)
+
+
+def get_skip_negotiate_stage():
+    return _skip_negotiate
+
+
+def suspend():
+    """Nothing to do: the communication thread sleeps whenever it has no work (it
+    takes no CPU between operations), which is what Bluefog's suspend was for."""
+
+
+def resume():
+    """See suspend."""
 
 
 # ---- topology -------------------------------------------------------------

@@ -13,6 +13,11 @@ try:
     raise AssertionError("an op before init() must raise")
 except bf.BluefogError as e:
     assert "not initialized" in str(e)
+try:
+    bf.size()
+    raise AssertionError("size() before init() must raise")
+except ValueError as e:      # what Bluefog raised: scripts may catch it
+    assert "bf.init()" in str(e)
 
 bf.init()
 assert (bf.rank(), bf.size(), bf.local_rank(), bf.local_size(), bf.machine_size()) == (0, 1, 0, 1, 1)
@@ -26,6 +31,14 @@ assert torch.equal(bf.allreduce(x), x) and torch.equal(bf.broadcast(x, 0), x)
 assert torch.equal(bf.allgather(x.view(2, 2)), x.view(2, 2))
 bf.barrier()
 assert bf.set_topology(bf.load_topology())
+# Bluefog's runtime queries and switches (docs/getting_started.md, "Coming from Bluefog")
+assert bf.nccl_built() is False and bf.unified_mpi_window_model_supported() in (True, False)
+assert bf.get_skip_negotiate_stage() is False
+bf.set_skip_negotiate_stage(True)
+assert bf.get_skip_negotiate_stage() is True
+bf.suspend()
+bf.resume()
+assert torch.equal(bf.allreduce(x), x)
 bf.shutdown()
 try:
     bf.allreduce(x)
