@@ -422,19 +422,38 @@ def neighbor_allgather(tensor, *, src_ranks=None, dst_ranks=None, enable_topo_ch
                      enable_topo_check=enable_topo_check, name=name)
 
 
-def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src_machine_weights=None,
-                                                dst_machine_weights=None, enable_topo_check=False,
-                                                name=None):
+def _machine_weights(src_machine_weights, dst_machine_weights, neighbor_machine_weights, send_neighbor_machines):
+    """(src, dst, problem): the machine weights given under either name,
+    src_/dst_machine_weights or Bluefog's neighbor_machine_weights /
+    send_neighbor_machines; problem is the message when one is given under both."""
+    problem = None
+    for ours, what, theirs, bluefogs in ((src_machine_weights, "src_machine_weights", neighbor_machine_weights,
+                                          "neighbor_machine_weights"),
+                                         (dst_machine_weights, "dst_machine_weights", send_neighbor_machines,
+                                          "send_neighbor_machines")):
+        if ours is not None and theirs is not None:
+            problem = f"hierarchical_neighbor_allreduce: give {what} or {bluefogs} (Bluefog's name for it), not both"
+    return (neighbor_machine_weights if src_machine_weights is None else src_machine_weights,
+            send_neighbor_machines if dst_machine_weights is None else dst_machine_weights, problem)
+
+
+def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, neighbor_machine_weights=None,
+                                                send_neighbor_machines=None, enable_topo_check=False,
+                                                name=None, *, src_machine_weights=None, dst_machine_weights=None):
     """Sum within each machine, weighted exchange of machine sums between neighbor
     machines (machine topology or the given machine weights), divide by the agents
-    per machine."""
+    per machine. Bluefog's argument names and order work too."""
     name = _op_name(name, "HIERARCHICAL_NEIGHBOR_ALLREDUCE")
+    src_machine_weights, dst_machine_weights, both = _machine_weights(
+        src_machine_weights, dst_machine_weights, neighbor_machine_weights, send_neighbor_machines)
     st = state()
     if not st.homogeneous:      # the same on every agent
         raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
     try:
         _untainted(st, name)
+        if both:
+            raise TypeError(both)
         _flag(enable_topo_check, "enable_topo_check")
         x = _numeric(_input(tensor, name), "hierarchical_neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(
@@ -459,12 +478,14 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, *, self_weight=None, src
                    deliver=_devices.delivery(tensor, False, name))
 
 
-def hierarchical_neighbor_allreduce(tensor, *, self_weight=None, src_machine_weights=None,
-                                    dst_machine_weights=None, enable_topo_check=False, name=None):
+def hierarchical_neighbor_allreduce(tensor, self_weight=None, neighbor_machine_weights=None,
+                                    send_neighbor_machines=None, enable_topo_check=False, name=None, *,
+                                    src_machine_weights=None, dst_machine_weights=None):
     return _blocking(
         hierarchical_neighbor_allreduce_nonblocking, tensor, self_weight=self_weight,
-        src_machine_weights=src_machine_weights, dst_machine_weights=dst_machine_weights,
-        enable_topo_check=enable_topo_check, name=name)
+        neighbor_machine_weights=neighbor_machine_weights, send_neighbor_machines=send_neighbor_machines,
+        enable_topo_check=enable_topo_check, name=name, src_machine_weights=src_machine_weights,
+        dst_machine_weights=dst_machine_weights)
 
 
 def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=None, name=None):

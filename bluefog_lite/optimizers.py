@@ -209,7 +209,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.self_weight = None
         self.src_weights = None
         self.dst_weights = None
-        self.enable_topo_check = True
+        self.enable_topo_check = False      # Bluefog's default for its wrappers (the ops' is True)
         self.src_machine_weights = None
         self.dst_machine_weights = None
         self._timeline_hooks = None     # FORWARD/BACKWARD hooks while a timeline is open
@@ -227,6 +227,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # on it) replaces both, and a scheduler on the wrapper must set the rates it steps with.
     param_groups = _ReadThrough()
     state = _ReadThrough()
+    # Bluefog's names of the machine knobs
+    neighbor_machine_weights = property(lambda self: self.src_machine_weights,
+                                        lambda self, v: setattr(self, "src_machine_weights", v))
+    send_neighbor_machines = property(lambda self: self.dst_machine_weights,
+                                      lambda self, v: setattr(self, "dst_machine_weights", v))
 
     def state_dict(self):
         return self.optimizer.state_dict()

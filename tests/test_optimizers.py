@@ -23,6 +23,12 @@ def test_win_put_optimizer_reaches_a_neighborhood(how):
     run_agents(4, "opt_linear.py", "winput", "-", "sgd", how, timeout=120)
 
 
+def test_machine_knobs_under_bluefogs_names_steer_hierarchical_awc():
+    """neighbor_machine_weights / send_neighbor_machines set on the wrapper reach the
+    hierarchical communication (2 emulated machines of 2 agents), checked against numpy."""
+    run_agents(4, "opt_machine_knobs.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes

@@ -112,6 +112,20 @@ y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), self_weight
                                        src_machine_weights=src, dst_machine_weights=dst, name="hna.dyn")
 ref = 0.6 * machine_mean[m] + sum(w * machine_mean[s] for s, w in src.items())
 np.testing.assert_allclose(y.numpy(), ref, rtol=1e-12)
+# the same under Bluefog's argument names and order (tensor, self_weight,
+# neighbor_machine_weights, send_neighbor_machines, enable_topo_check, name)
+y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), 0.6, src, dst, True, "hna.dyn")
+np.testing.assert_allclose(y.numpy(), ref, rtol=1e-12)
+h = bf.hierarchical_neighbor_allreduce_nonblocking(torch.from_numpy(data(rank)), self_weight=0.6,
+                                                   neighbor_machine_weights=src, send_neighbor_machines=dst)
+np.testing.assert_allclose(bf.synchronize(h).numpy(), ref, rtol=1e-12)
+try:
+    bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), self_weight=0.6, src_machine_weights=src,
+                                       neighbor_machine_weights=src, dst_machine_weights=dst, name="hna.both")
+except TypeError as e:
+    assert "give src_machine_weights or neighbor_machine_weights" in str(e), e
+else:
+    raise AssertionError("weights given under both names were taken")
 
 # the last agent passes another shape: its machine cannot sum, and the machines that
 # receive from it get no sum: their agents raise; the name works again afterwards
