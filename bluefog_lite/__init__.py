@@ -29,8 +29,8 @@ _EXPORTS = {
     ".optimizers": (
         "CommunicationType", "DistributedAdaptWithCombineOptimizer", "DistributedAdaptThenCombineOptimizer",
         "DistributedGradientAllreduceOptimizer", "DistributedWinPutOptimizer", "DistributedAllreduceOptimizer",
-        "DistributedNeighborAllreduceOptimizer", "DistributedHierarchicalNeighborAllreduceOptimizer",
-        "register_step_function"),
+        "DistributedNeighborAllreduceOptimizer", "DistributedHierarchicalNeighborAllreduceOptimizer"),
+    "._local_steps": ("register_step_function",),
     ".parameters": ("broadcast_parameters", "allreduce_parameters", "broadcast_optimizer_state"),
     ".windows": (
         "win_create", "win_free", "win_put", "win_put_nonblocking", "win_accumulate",

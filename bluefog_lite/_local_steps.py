@@ -136,9 +136,20 @@ def register_step_function(optimizer_class, fn):
     _STEPS[optimizer_class] = fn
 
 
+def _step_of(cls):
+    """cls.step without its wrappers (torch's profiling hook, decorators)."""
+    return inspect.unwrap(cls.step)
+
+
 def step_function_for(optimizer):
-    for cls in type(optimizer).__mro__:
+    kind = type(optimizer)
+    for cls in kind.__mro__:
         if cls in _STEPS:
+            if _step_of(kind) is not _step_of(cls):
+                raise TypeError(
+                    f"{kind.__name__} overrides step() of {cls.__name__}: DistributedAdaptThenCombineOptimizer "
+                    f"would apply {cls.__name__}'s per-parameter rule instead of it. Register its rule with "
+                    f"bf.register_step_function({kind.__name__}, fn)")
             fn = _STEPS[cls]
             if fn is adam_step:
                 for group in optimizer.param_groups:

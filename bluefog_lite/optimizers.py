@@ -13,6 +13,7 @@ the wrapped optimizer, so schedulers, checkpoints and loops keep working.
 """
 import contextlib
 import enum
+import inspect
 import numbers
 import weakref
 import warnings
@@ -20,7 +21,7 @@ import warnings
 import torch
 
 from . import ops, windows
-from ._local_steps import register_step_function, step_function_for  # noqa: F401 (re-export)
+from ._local_steps import step_function_for
 from ._runtime import state
 from .hooks import CopiedInert, install_unless_present
 from .timeline import _control as _timeline
@@ -213,6 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.src_machine_weights = None
         self.dst_machine_weights = None
         self._timeline_hooks = None     # FORWARD/BACKWARD hooks while a timeline is open
+        self._timeline_wanted = True    # turn_off_timeline() / turn_on_timeline()
         _timeline.follow(self)
         self.timeline_changed()
 
@@ -359,7 +361,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Called when a timeline file opens or closes on this agent (and at creation):
         the model's compute spans are recorded while one is open, by hooks this
         wrapper installs unless the model has them already (hooks.py)."""
-        if _timeline.configured() and self._hooks is not None:
+        if _timeline.configured() and self._hooks is not None and self._timeline_wanted:
             if not any(h.handles for h in self._timeline_hooks or ()):
                 self._timeline_hooks = [h for h in (install_unless_present(m, prefix)
                                                     for m, prefix in self._hooked_models()) if h is not None] or None
@@ -367,6 +369,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for h in self._timeline_hooks:
                 h.remove()
             self._timeline_hooks = None
+
+    def turn_on_timeline(self):
+        """Record the model's FORWARD/BACKWARD spans whenever a timeline is open (the
+        default; Bluefog's switch)."""
+        self._timeline_wanted = True
+        self.timeline_changed()
+
+    def turn_off_timeline(self):
+        """Do not record the model's FORWARD/BACKWARD spans (the communication's
+        phases are still recorded while a timeline is open)."""
+        self._timeline_wanted = False
+        self.timeline_changed()
 
     def _hooked_models(self):
         """(module, prefix of its parameters' names) that get the timeline's hooks: each
@@ -454,6 +468,13 @@ class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
         return loss
 
 
+def _no_step_rule(exc):
+    """A stand-in per-parameter rule that raises exc (the optimizer has none) when used."""
+    def step(p, grad, group, state):
+        raise TypeError(f"{exc} (or, after wrapping, with the wrapper's register_step_function(f))")
+    return step
+
+
 class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
     """x <- W (x - lr * grad f(x)): each parameter is updated in its gradient hook
     and its communication starts at once, overlapping the rest of backward."""
@@ -462,11 +483,15 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                  num_steps_per_communication=1, name_prefix=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication, backward=True,
                          name_prefix=name_prefix)
-        self._local_step = step_function_for(optimizer)
+        try:
+            self._local_step = step_function_for(optimizer)
+        except TypeError as exc:       # no rule for it: Bluefog's opt.register_step_function(f) may come next
+            self._local_step = _no_step_rule(exc)
         self._launched = set()
         self._updated = set()
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._group_of = {name: group_of[id(p)] for name, p in self._named}
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, group_of[id(p)])))
         self._extra_of = (None, [])     # (groups' shape, _extra's list) as last found
@@ -502,6 +527,35 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                 self._launch(name, p)
         return hook
 
+    def register_step_function(self, step_func):
+        """Bluefog's form: step_func(self, param, grad, param_group) updates param in
+        place (self is this wrapper: self.state[param] is the parameter's state). It
+        replaces the rule for this wrapper only; bf.register_step_function(cls, fn)
+        teaches every wrapper of an optimizer class."""
+        if not callable(step_func):
+            raise TypeError("step_func must be callable as step_func(optimizer, param, grad, group)")
+        try:
+            inspect.signature(step_func).bind(None, None, None, None)
+        except TypeError as exc:
+            raise TypeError("step_func must take four arguments, step_func(optimizer, param, grad, group): "
+                            f"{exc}") from None
+        except ValueError:
+            pass     # (a builtin without a signature: trusted)
+        self._local_step = lambda p, grad, group, state: step_func(self, p, grad, group)
+
+    def _launch_rest(self):
+        """Before the rest's communication: the local step of each model parameter that
+        has a gradient its hook did not see in this step (not used by this pass, but
+        given a gradient earlier or by hand: the wrapped optimizer steps every parameter
+        whose gradient is not None, momentum and weight decay included)."""
+        with torch.no_grad():
+            for name, p in self._named:
+                if name not in self._updated and p.grad is not None:
+                    self._local_step(p, p.grad, self.optimizer.param_groups[self._group_of[name]],
+                                     self.optimizer.state[p])
+                    self._updated.add(name)
+        super()._launch_rest()
+
     def step(self, closure=None):
         if self._hooks is None:
             raise RuntimeError("this DistributedAdaptThenCombineOptimizer's hooks were removed (remove_hooks()): "
@@ -516,6 +570,9 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._step_synchronize()
         finally:
             self._updated.clear()
+        # the wrapped optimizer's step() never runs (its rule ran per parameter): tell a
+        # learning-rate scheduler made on it that it stepped, as torch's step() would
+        self.optimizer._opt_called = True
         self._finish_step()
         return loss
 
@@ -601,6 +658,9 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         self._prefix = _prefix(window_prefix, "window_prefix")
         super().__init__(optimizer, model, num_steps_per_communication)
+        self.window_prefix = self._prefix       # Bluefog's attribute: what the window names start with
+        self.force_barrier = False              # Bluefog's knob: step() starts with bf.barrier()
+        self._synchronized = False              # this step's combination is done
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)
         self._launch_after_forward(self.model, self._put)
@@ -611,6 +671,10 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         self._handles[name] = (p, h)
 
     def synchronize(self):
+        """Finish this step's puts and combine what has arrived; once per step (a second
+        call, e.g. step() after synchronize() without skip_synchronize(), does nothing)."""
+        if self._synchronized:
+            return
         for name, p in self._named:
             if name not in self._handles and name not in self._launched:
                 self._put(name, p)
@@ -622,12 +686,16 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
             else:
                 windows.win_update(self._prefix + name, self_weight=self.self_weight,
                                    neighbor_weights=self.src_weights)
+        self._synchronized = True
 
     def step(self, closure=None):
+        if self.force_barrier:
+            ops.barrier()
         loss = self._run_closure(closure)
         if self._communicating() and not self._skip_sync:
             self.synchronize()
         self.optimizer.step()
+        self._synchronized = False
         self._finish_step()
         return loss
 
@@ -635,6 +703,8 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         for name, _ in self._named:
             if self._prefix + name in windows.get_current_created_window_names():
                 windows.win_free(self._prefix + name)
+
+    unregister_window = free_windows      # Bluefog's name
 
 
 def DistributedAllreduceOptimizer(optimizer, model, num_steps_per_communication=1):

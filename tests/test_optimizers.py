@@ -29,6 +29,15 @@ def test_machine_knobs_under_bluefogs_names_steer_hierarchical_awc():
     run_agents(4, "opt_machine_knobs.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
 
 
+def test_bluefog_forms_and_plain_optimizer_equivalence(tmp_path):
+    """ATC steps parameters whose gradient this pass did not produce, refuses a subclass
+    with its own step() until its rule is registered (Bluefog's opt.register_step_function),
+    keeps a scheduler on its base optimizer quiet; WinPut combines once after
+    synchronize(), has force_barrier/window_prefix/unregister_window; turn_off_timeline()
+    stops FORWARD spans (tests/workers/opt_bluefog_forms.py, against torch.optim)."""
+    run_agents(1, "opt_bluefog_forms.py", timeout=90, env={"BLUEFOG_TIMELINE": str(tmp_path / "t")})
+
+
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes
