@@ -22,6 +22,7 @@ stall inspector's (_stalls.py).
 """
 import collections
 import itertools
+import math
 import os
 import sys
 import threading
@@ -42,14 +43,19 @@ from ._waits import Recv, Requests, Sleep, Turn, Until
 from .timeline import _recorder as tl
 
 
-def _env_float(name, default):
+def _env_float(name, default, infinite_ok=False):
+    """A number of seconds from the environment: >= 0 (inf, "never", where infinite_ok)."""
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+        value = math.nan
+    if not (value >= 0 and (infinite_ok or math.isfinite(value))):
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r} (a number >= 0"
+                         + (", or inf for never)" if infinite_ok else ")"))
+    return value
 
 
 def _env_int(name, default):
@@ -83,7 +89,7 @@ class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
                  "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready",
-                 "completed")
+                 "completed", "at_shutdown")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -106,6 +112,7 @@ class Op:
         self.deliver = None    # result -> what synchronize returns (_devices.delivery)
         self.ready = None      # the still running copy of its device input to the host (_devices.py)
         self.completed = False     # _finish does not complete it: see complete_early, split_group
+        self.at_shutdown = False   # shutdown's win_free: no op timeout; see _departures.py
 
     def is_done(self):
         return not self._pending.locked()
@@ -131,8 +138,8 @@ class Engine(CallerDrive, StallInspector):
         inline = min(threshold, _env_int("BLUEFOG_INLINE_LIMIT", 64 * 1024))
         self.pool = BufferPool(_env_int("BLUEFOG_BUFFER_POOL_BYTES", 256 * 1024 * 1024))
         self.stream = StreamEndpoint(comm, threshold, inline, self.pool)
-        self.stall_warning_s = _env_float("BLUEFOG_STALL_WARNING_S", 60.0)
-        self.op_timeout_s = _env_float("BLUEFOG_OP_TIMEOUT_S", 0.0)
+        self.stall_warning_s = _env_float("BLUEFOG_STALL_WARNING_S", 60.0, infinite_ok=True)
+        self.op_timeout_s = _env_float("BLUEFOG_OP_TIMEOUT_S", 0.0, infinite_ok=True)
         self.mark_cycles_env = os.environ.get("BLUEFOG_TIMELINE_MARK_CYCLES", "") not in ("", "0")
         self.mark_cycles = self.mark_cycles_env     # timeline_start(mark_cycles=...) sets it per file
         self.yield_window_s = _env_float("BLUEFOG_YIELD_WINDOW_S", 3e-4)
@@ -265,7 +272,7 @@ class Engine(CallerDrive, StallInspector):
         with self._lock:
             self._stopping = True
         self._wake()
-        self._thread.join(max(self.stall_warning_s, 1.0))
+        self._thread.join(min(max(self.stall_warning_s, 1.0), threading.TIMEOUT_MAX))
         _ABANDONED.extend(self.stream.failed_sends)
         if self._thread.is_alive():
             with self._lock:     # (done but never synchronized is not in flight)

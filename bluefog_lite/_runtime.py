@@ -192,8 +192,9 @@ def shutdown():
         return
     from .timeline import _control
     from . import windows
+    _state.departures.start_leaving()    # it calls nothing else now: whoever waits for it can stop
     try:
-        windows.win_free()
+        windows.free_at_shutdown()
     except RuntimeError as exc:     # (win_free is a collective: none runs after one timed out)
         if _state.engine.collectives_broken is None:
             raise

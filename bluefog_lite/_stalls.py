@@ -202,7 +202,7 @@ class StallInspector:
                     f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r}{_fused_with(op)} has "
                     f"waited {waited:.1f} s {what}\n")
                 sys.stderr.flush()
-            if self.op_timeout_s > 0 and waited > self.op_timeout_s:
+            if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.at_shutdown:
                 op.error = OpTimeout(
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "

@@ -224,6 +224,18 @@ def _wait_idle(eng, wins):
 
 def win_free(name=None):
     """Free window ``name``, or every window when name is None (collective)."""
+    return _free(name)
+
+
+def free_at_shutdown():
+    """bf.shutdown()'s win_free of every window: it waits for late agents however
+    long they take (no BLUEFOG_OP_TIMEOUT_S: an agent that gave up would leave the
+    late ones in MPI's collective free for good), as shutdown waits for them anyway;
+    one that leaves the job without it ends the job (_departures.py)."""
+    return _free(None, at_shutdown=True)
+
+
+def _free(name, at_shutdown=False):
     global _poke_before
     st = state()
     eng = st.engine
@@ -243,7 +255,11 @@ def win_free(name=None):
                                  "on it; free it after the block")
     wins = [st.windows[n] for n in names if n in st.windows] if problem is None else []
     _wait_idle(eng, wins)
-    h = eng.submit("win_free", "WIN_FREE", lambda eng, op: _win_tasks.free(eng, op, wins, names, problem))
+
+    def task(eng, op):
+        op.at_shutdown = at_shutdown
+        return _win_tasks.free(eng, op, wins, names, problem)
+    h = eng.submit("win_free", "WIN_FREE", task)
     eng.synchronize(h)
     for n in names:
         del st.windows[n]

@@ -1,6 +1,9 @@
-"""Shutdown waits for every agent to shut down too, and says whom it waits for."""
+"""Shutdown: it waits for every agent, says whom it waits for, frees windows with late agents;
+the timing variables it reads."""
 import re
 import types
+
+import pytest
 
 from bluefog_lite import _departures
 from mpi_helpers import run_agents
@@ -9,6 +12,14 @@ from mpi_helpers import run_agents
 def test_shutdown_names_the_agent_it_waits_for():
     _, out = run_agents(3, "late_shutdown.py", timeout=60, env={"BLUEFOG_STALL_WARNING_S": "1"})
     warned = re.findall(r"rank (\d)\): shutdown has waited \d+ s for ranks \[(.*?)\] to shut down too", out)
+    assert sorted(warned) == [("0", "1"), ("2", "1")], out
+
+
+def test_shutdown_frees_windows_with_a_late_agent_past_the_op_timeout():
+    _, out = run_agents(3, "late_shutdown.py", "window", timeout=60,
+                        env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "1"})
+    assert "timed out" not in out, out
+    warned = re.findall(r"rank (\d)\): WIN_FREE 'win_free' has waited [\d.]+ s for ranks \[(.*?)\]", out)
     assert sorted(warned) == [("0", "1"), ("2", "1")], out
 
 
@@ -26,9 +37,24 @@ def test_no_warning_names_nobody_when_the_last_notice_lands_meanwhile(monkeypatc
     stub = types.SimpleNamespace(Request=types.SimpleNamespace(Testall=lambda reqs: next(looks)))
     monkeypatch.setattr(_departures, "MPI", stub)
     waiter = types.SimpleNamespace(engine=types.SimpleNamespace(stall_warning_s=0.0))
-    _departures.Departures._wait(waiter, [], {1: _Notice(True), 2: _Notice(True)}, 0)
+    _departures.Departures._wait(waiter, [], {1: [_Notice(True)], 2: [_Notice(True), _Notice(True)]}, 0)
     assert "shut down too" not in capsys.readouterr().err
 
     looks = iter([False, True])
-    _departures.Departures._wait(waiter, [], {1: _Notice(True), 2: _Notice(False)}, 0)
+    _departures.Departures._wait(waiter, [], {1: [_Notice(True)], 2: [_Notice(True), _Notice(False)]}, 0)
     assert "for ranks [2] to shut down too" in capsys.readouterr().err
+
+
+def test_timing_variables_are_checked_and_inf_means_never(monkeypatch):
+    from bluefog_lite._engine import _env_float
+    monkeypatch.setenv("BLUEFOG_STALL_WARNING_S", "inf")
+    assert _env_float("BLUEFOG_STALL_WARNING_S", 60.0, infinite_ok=True) == float("inf")
+    for raw, infinite_ok in (("nan", True), ("-1", True), ("inf", False), ("soon", True)):
+        monkeypatch.setenv("BLUEFOG_STALL_WARNING_S", raw)
+        with pytest.raises(ValueError, match=f"BLUEFOG_STALL_WARNING_S must be a number of seconds, got '{raw}'"):
+            _env_float("BLUEFOG_STALL_WARNING_S", 60.0, infinite_ok)
+
+
+def test_a_stall_warning_of_inf_shuts_down_cleanly():
+    # the shutdown's wait for the communication thread took it as a timeout: OverflowError
+    run_agents(3, "late_shutdown.py", timeout=60, env={"BLUEFOG_STALL_WARNING_S": "inf"})

@@ -577,9 +577,13 @@ def test_ctrl_c_to_bfrun_stops_every_agent(bfrun_job, tmp_path):
     assert_everyone_gone_and_timelines_load(job, str(tmp_path / "tl_"))
 
 
-def test_sys_exit_on_one_agent_while_others_wait_for_it_ends_the_job():
-    # plain mpiexec: the library itself, not bfrun's rank guard, must end the job
-    rc, out = run_agents(N, "rel_die.py", "exit", "3", timeout=180, expect_ok=False)
+@pytest.mark.parametrize("window", [False, True])
+def test_sys_exit_on_one_agent_while_others_wait_for_it_ends_the_job(window):
+    # plain mpiexec: the library itself, not bfrun's rank guard, must end the job. With a
+    # window, the leaving agent waits in shutdown's win_free for the others, which wait
+    # for its data: they must learn that it has started to shut down (it hung before)
+    rc, out = run_agents(N, "rel_die.py", "exit", "3", timeout=180, expect_ok=False,
+                         env={"REL_DIE_WINDOW": "1" if window else "0"})
     elapsed = seconds_since(r"calls sys.exit\(3\) after \d+ iterations at ([\d.]+)", out, time.time())
     assert rc != 0 and "rank 2 calls sys.exit(3)" in out, out[-3000:]
     # ranks 0 and 3 receive from rank 2 on the Exp-2 graph: they are the ones that can tell

@@ -6,6 +6,7 @@ argv[1] says how the job is hit once every agent has run a while:
   exit N  rank 2 calls sys.exit(N) while the others keep averaging with it
   loop    nobody fails: the test interrupts bfrun (Ctrl-C)
 Every agent prints ``RUNNING <rank> <pid>`` once it has run a few iterations.
+With REL_DIE_WINDOW=1 a window exists too (shutdown then frees it: a collective).
 """
 import os
 import signal
@@ -19,6 +20,8 @@ import bluefog_lite as bf
 mode = sys.argv[1]
 bf.init()
 rank = bf.rank()
+if os.environ.get("REL_DIE_WINDOW") == "1":
+    bf.win_create(torch.zeros(4), "w")
 x = torch.full((256,), float(rank))
 started = None
 i = 0
