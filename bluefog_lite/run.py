@@ -210,6 +210,10 @@ def _check_paths(args: argparse.Namespace) -> Optional[str]:
     """Return what is wrong with the files named in ``args``, or None."""
     if args.hostfile and not os.path.isfile(args.hostfile):
         return f"--hostfile: {args.hostfile!r} is not a file"
+    if args.hostfile:
+        problem = _hostfile_problem(args.hostfile)
+        if problem:
+            return f"--hostfile {args.hostfile!r}: {problem}"
     if args.timeline_filename is not None:
         if not args.timeline_filename:
             return "--timeline-filename: the prefix is empty"
@@ -223,6 +227,30 @@ def _check_paths(args: argparse.Namespace) -> Optional[str]:
         if problem:
             return f"--timeline-filename: directory {directory!r} is not writable ({problem})"
     return None
+
+
+def _hostfile_problem(path: str) -> Optional[str]:
+    """What is wrong with a hostfile's host entries, or None. A line names a host,
+    first, optionally with its process count (MPICH: ``host:n``; Open MPI's
+    ``host slots=n`` has no colon); a count that is not a positive integer made
+    MPICH's launcher die of a floating-point exception, with no message."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot read it ({exc})"
+    hosts = 0
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, colon, count = words[0].partition(":")
+        count = count.split(":", 1)[0]
+        if not host or (colon and not (count.isdigit() and int(count) > 0)):
+            return (f"line {number} {line.strip()!r}: expected a host name, optionally with a positive process "
+                    "count (host:4)")
+        hosts += 1
+    return None if hosts else "it names no host"
 
 
 def _cannot_create_files_in(directory: str) -> Optional[str]:
@@ -412,6 +440,9 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
             signal.signal(signum, handler)
     if received:
         return 128 + received[0]
+    if code < 0:
+        print(f"bfrun: the MPI launcher {command[0]!r} was killed by signal {signal.Signals(-code).name}",
+              file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
 
 

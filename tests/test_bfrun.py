@@ -155,6 +155,32 @@ def test_missing_hostfile_exits_2_without_a_job(tmp_path, monkeypatch, capsys):
     assert "--hostfile" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, words", [
+    ("localhost:abc\n", "line 1 'localhost:abc': expected a host name, optionally with a positive process count"),
+    ("# two hosts\na:2\nb:0\n", "line 3 'b:0': expected a host name"),
+    (":4\n", "line 1 ':4': expected a host name"),
+    ("\n# nothing\n", "it names no host"),
+])
+def test_bad_hostfile_lines_exit_2_without_a_job(text, words, tmp_path, monkeypatch, capsys):
+    # MPICH's launcher died of SIGFPE, silently, on a count that is not a positive integer
+    _forbid_jobs(monkeypatch)
+    (tmp_path / "hosts").write_text(text)
+    assert run.main(["-np", "2", "--hostfile", str(tmp_path / "hosts"), "prog"]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_good_hostfiles_of_either_launcher_pass_the_check(tmp_path):
+    for text in ("# a comment\na:2\nb\n", "a slots=2\nb slots=2 max_slots=4\n"):
+        (tmp_path / "hosts").write_text(text)
+        assert run._hostfile_problem(str(tmp_path / "hosts")) is None
+
+
+def test_a_launcher_killed_by_a_signal_is_reported(capsys):
+    code = run._run_job([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)"], os.environ)
+    assert code == 128 + signal.SIGFPE
+    assert "was killed by signal SIGFPE" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------
 # Finding the launcher
 
