@@ -301,7 +301,7 @@ def create(eng, op, win, problem, meta, zero_init):
         win.attach(mpi_win)
         mpi_win.Lock_all(MPI.MODE_NOCHECK)
         win.versions[:] = 0
-        win.p[:] = 0.0 if zero_init else 1.0
+        win.p[:] = 0.0      # the buffers' p, as in Bluefog (also without zero_init)
         win.p[0] = 1.0
         np.frombuffer(mpi_win.tomemory(), dtype=np.uint8)[:8] = 0     # the mutex word
         _publish(win)

@@ -166,6 +166,12 @@ assert bf.get_current_created_window_names() == []
 
 # -- push-sum weight p carried with puts / accumulates / updates ----------------------------------
 bf.turn_on_win_ops_with_associated_p()
+# without zero_init: buffers hold copies of the agent's own tensor, their p is 0 (Bluefog's start)
+q = torch.from_numpy(data(rank, 8))
+bf.win_create(q, "p0")
+close(bf.win_update("p0"), data(rank, 8))
+close(bf.win_associated_p("p0"), u)
+bf.win_free("p0")
 px = torch.from_numpy(data(rank, 8))
 bf.win_create(px, "p", zero_init=True)
 assert bf.win_associated_p("p") == 1.0
