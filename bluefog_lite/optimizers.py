@@ -84,6 +84,19 @@ class _AfterForward(CopiedInert):
                 wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
 
 
+class _CountForward(CopiedInert):
+    """A model's forward pre-hook: count the training passes (grad enabled) since
+    the wrapper last communicated (see _ForwardCounted)."""
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+
+    def __call__(self, module, inputs):
+        if module.training and torch.is_grad_enabled():
+            self.wrapper._forwards += 1
+
+
 class _InOrder:
     """Starts the allreduce of each parameter in one fixed order, the same on every
     agent: collectives are matched across agents by their order, while the hooks
@@ -451,19 +464,42 @@ class _ParameterCommunicator(_DistributedOptimizer):
         self._launched = set()
 
 
-class DistributedAdaptWithCombineOptimizer(_ParameterCommunicator):
+class _ForwardCounted:
+    """AWC and WinPut count forward passes, as Bluefog does: with
+    num_steps_per_communication=k they communicate in the step that follows every
+    k-th training pass of the model (k passes per step, i.e. gradient accumulation:
+    every step; one pass per step: steps k, 2k, ...). The passes are counted where
+    the model itself is called (a forward pre-hook). k=1: every step."""
+
+    def _count_forwards(self):
+        self._forwards = 0
+        for m in self._models:
+            self._hooks.append(m.register_forward_pre_hook(_CountForward(self)))
+
+    def _communicating(self):
+        return self.num_steps_per_communication == 1 or self._forwards >= self.num_steps_per_communication
+
+    def _communicated(self):
+        self._forwards = 0
+
+
+class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicator):
     """x <- W x - lr * grad f(x): each module's parameters start their
     communication right after its forward, overlapping the backward pass."""
 
     def __init__(self, optimizer, model, communication_type=CommunicationType.neighbor_allreduce,
                  num_steps_per_communication=1, name_prefix=None):
         super().__init__(optimizer, model, communication_type, num_steps_per_communication, name_prefix=name_prefix)
+        self._count_forwards()
         self._launch_after_forward(self.model, self._launch)
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
+        communicating = self._communicating()
         self._step_synchronize()
         self.optimizer.step()
+        if communicating:
+            self._communicated()
         self._finish_step()
         return loss
 
@@ -646,7 +682,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         return loss
 
 
-class DistributedWinPutOptimizer(_DistributedOptimizer):
+class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
     """Asynchronous, one-sided: each parameter lives in a window; after each module's
     forward its parameters are put into the out-neighbors' windows (nonblocking),
     and step() combines whatever has arrived (win_update), then takes the local
@@ -663,6 +699,7 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         self._synchronized = False              # this step's combination is done
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)
+        self._count_forwards()
         self._launch_after_forward(self.model, self._put)
 
     def _put(self, name, p):
@@ -692,10 +729,13 @@ class DistributedWinPutOptimizer(_DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
-        if self._communicating() and not self._skip_sync:
+        communicating = self._communicating()
+        if communicating and not self._skip_sync:
             self.synchronize()
         self.optimizer.step()
         self._synchronized = False
+        if communicating:
+            self._communicated()
         self._finish_step()
         return loss
 

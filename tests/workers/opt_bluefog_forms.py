@@ -130,6 +130,21 @@ win.unregister_window()
 assert bf.get_current_created_window_names() == []
 win.remove_hooks()
 
+# WinPut counts forward passes (Bluefog): two passes per step with k=2 combine in every step
+model = Plain()
+start = params(model).clone()
+win = bf.DistributedWinPutOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                    num_steps_per_communication=2, window_prefix="wp2")
+win.self_weight, win.src_weights = 0.5, {}
+for s in range(1, 4):
+    win.zero_grad()
+    for _ in range(2):
+        model(x).sum().backward()
+    win.step()
+    assert torch.allclose(params(model), 0.5 ** s * start), (s, params(model), 0.5 ** s * start)
+win.free_windows()
+win.remove_hooks()
+
 prefix = os.environ["BLUEFOG_TIMELINE"]
 model = Plain()
 awc = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)

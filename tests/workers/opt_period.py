@@ -42,6 +42,29 @@ for name, wrapper in (("awc", bf.DistributedAdaptWithCombineOptimizer),
             f"rank {r}, {name}, after step {s} of k={K}: {got} != W^{s // K} x0 = {want}"
     opt.remove_hooks()
 
+# 1b. AWC counts forward passes, as Bluefog: k passes per step (gradient accumulation)
+#     communicate in every step; eval-mode and no_grad forwards do not count
+model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+with torch.no_grad():
+    model.weight.copy_(torch.from_numpy(x0[r]).view(1, 2))
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                              num_steps_per_communication=K)
+for s in range(1, 4):
+    opt.zero_grad()
+    for _ in range(K):
+        model(data).sum().backward()
+    model.eval()
+    model(data)
+    model.train()
+    with torch.no_grad():
+        model(data)
+    opt.step()
+    want = (np.linalg.matrix_power(W.T, s) @ x0)[r]
+    got = model.weight.detach().numpy().ravel()
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12), \
+        f"rank {r}, AWC with {K} passes per step, k={K}: after step {s} {got} != W^{s} x0 = {want}"
+opt.remove_hooks()
+
 # 2. ATC after load_state_dict: lr set to 0 afterwards, so its local steps change nothing
 model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
 opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
