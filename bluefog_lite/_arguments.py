@@ -102,7 +102,12 @@ def _rank(r, what, size, me=None, unit="agent", why_not_me="self is weighted wit
 def _weight_dict(d, what, size, me, unit="agent"):
     rank_in = f"{_UNITS[unit][0]} in {what}"
     if isinstance(d, dict):
-        return {_rank(r, rank_in, size, me, unit): _weight(w, f"{what}[{r}]") for r, w in d.items()}
+        weights = {_rank(r, rank_in, size, me, unit): _weight(w, f"{what}[{r}]") for r, w in d.items()}
+        if len(weights) < len(d):      # keys that are one rank (0-d tensors hash by identity)
+            ranks = [_rank(r, rank_in, size, me, unit) for r in d]
+            twice = next(r for r in ranks if ranks.count(r) > 1)
+            raise ValueError(f"{what} names rank {twice} twice")
+        return weights
     if isinstance(d, (list, tuple, set, range)):
         ranks = [_rank(r, rank_in, size, me, unit) for r in d]
         if len(set(ranks)) != len(ranks):

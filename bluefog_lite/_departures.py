@@ -2,8 +2,9 @@
 
 Every agent tells every other one twice that it shuts down (``bf.shutdown()``,
 which also runs at exit: a script that ends or calls ``sys.exit()``): when it
-starts to (it will call no operation of its own any more, only shutdown's
-collective win_free), and when it has left (after that), then waits until all
+starts to (its own operations in flight have finished, or the runtime gave up
+waiting for them; it will call no operation any more but shutdown's collective
+win_free), and when it has left (after that), then waits until all
 have left, as ``MPI_Finalize`` would. An agent that has started to shut down never
 joins another operation, so an operation still waiting for its data can never
 finish; that agent cannot tell that anyone needs it (it may be waiting in

@@ -192,6 +192,7 @@ def shutdown():
         return
     from .timeline import _control
     from . import windows
+    _settle(_state.engine)
     _state.departures.start_leaving()    # it calls nothing else now: whoever waits for it can stop
     try:
         windows.free_at_shutdown()
@@ -211,6 +212,16 @@ def shutdown():
     _state.shut_down = True
     sys.excepthook = sys.__excepthook__
     threading.excepthook = threading.__excepthook__
+
+
+def _settle(engine):
+    """Wait (sleeping) until this agent's own operations in flight have finished,
+    for at most the stall warning time: until then its data may still depend on
+    others (a machine's sum in a hierarchical op) and it must not count as leaving."""
+    deadline, delay = time.monotonic() + engine.stall_warning_s, 1e-4
+    while engine.has_pending() and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 def rank():

@@ -730,10 +730,12 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             ops.barrier()
         loss = self._run_closure(closure)
         communicating = self._communicating()
-        if communicating and not self._skip_sync:
-            self.synchronize()
-        self.optimizer.step()
-        self._synchronized = False
+        try:
+            if communicating and not self._skip_sync:
+                self.synchronize()
+            self.optimizer.step()
+        finally:
+            self._synchronized = False     # (also after an error: the next step combines)
         if communicating:
             self._communicated()
         self._finish_step()

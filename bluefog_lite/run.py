@@ -245,7 +245,9 @@ def _hostfile_problem(path: str) -> Optional[str]:
         if not words:
             continue
         host, colon, count = words[0].partition(":")
-        count = count.split(":", 1)[0]
+        if ":" in count:        # an IPv6 address (Open MPI), or MPICH's host:n:interface: not checked
+            hosts += 1
+            continue
         if not host or (colon and not (count.isdigit() and int(count) > 0)):
             return (f"line {number} {line.strip()!r}: expected a host name, optionally with a positive process "
                     "count (host:4)")
@@ -441,9 +443,17 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     if received:
         return 128 + received[0]
     if code < 0:
-        print(f"bfrun: the MPI launcher {command[0]!r} was killed by signal {signal.Signals(-code).name}",
+        print(f"bfrun: the MPI launcher {command[0]!r} was killed by signal {_signal_name(-code)}",
               file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
+
+
+def _signal_name(number: int) -> str:
+    """SIGFPE, ... or the number (a real-time signal has no name)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def _stop_with(parent: int):
@@ -534,7 +544,7 @@ def _rank_guard(status_dir: str, command: List[str]) -> int:
     if code > 0:
         what = f"exited with code {code}"
     else:
-        what = f"was killed by signal {signal.Signals(-code).name}"
+        what = f"was killed by signal {_signal_name(-code)}"
     print(f"bfrun: rank {rank} {what}; stopping the job", file=sys.stderr, flush=True)
     _record_failure(status_dir, rank, exit_code)
     for signum in _RELAYED_SIGNALS:

@@ -170,7 +170,7 @@ def test_bad_hostfile_lines_exit_2_without_a_job(text, words, tmp_path, monkeypa
 
 
 def test_good_hostfiles_of_either_launcher_pass_the_check(tmp_path):
-    for text in ("# a comment\na:2\nb\n", "a slots=2\nb slots=2 max_slots=4\n"):
+    for text in ("# a comment\na:2\nb\n", "a slots=2\nb slots=2 max_slots=4\n", "::1 slots=2\nfe80::1%eth0\n"):
         (tmp_path / "hosts").write_text(text)
         assert run._hostfile_problem(str(tmp_path / "hosts")) is None
 
@@ -179,6 +179,10 @@ def test_a_launcher_killed_by_a_signal_is_reported(capsys):
     code = run._run_job([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)"], os.environ)
     assert code == 128 + signal.SIGFPE
     assert "was killed by signal SIGFPE" in capsys.readouterr().err
+    rt = signal.SIGRTMIN + 1      # a signal without a name
+    code = run._run_job([sys.executable, "-c", f"import os; os.kill(os.getpid(), {int(rt)})"], os.environ)
+    assert code == 128 + rt
+    assert f"was killed by signal {int(rt)}" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------

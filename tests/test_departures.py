@@ -45,6 +45,10 @@ def test_no_warning_names_nobody_when_the_last_notice_lands_meanwhile(monkeypatc
     assert "for ranks [2] to shut down too" in capsys.readouterr().err
 
 
+def test_an_agent_is_not_leaving_while_its_own_operation_is_in_flight():
+    run_agents(4, "leave_in_flight.py", timeout=60, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
 def test_timing_variables_are_checked_and_inf_means_never(monkeypatch):
     from bluefog_lite._engine import _env_float
     monkeypatch.setenv("BLUEFOG_STALL_WARNING_S", "inf")

@@ -201,6 +201,7 @@ def test_negative_weights_are_used_as_given(cases):
 def test_one_number_tensors_and_arrays_are_weights_and_ranks(cases):
     assert cases.of("weights.tensor_and_array_scalars_used_as_numbers") == {r: "OK" for r in range(N)}
     raised(cases, "weights.tensor_of_two", "TypeError", "self_weight must be a real number", "tensor([0.5")
+    raised(cases, "weights.tensor_rank_twice", "ValueError", "src_weights names rank", "twice")
 
 
 def test_self_weight_without_src_weights(cases):

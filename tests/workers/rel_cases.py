@@ -192,6 +192,8 @@ check("weights.tensor_and_array_scalars_used_as_numbers", lambda: close(     # c
                           src_weights={torch.tensor(r): np.array(w) for r, w in srcw.items()}, name="w.neg"),
     1.75 * data(RANK) + sum(w * data(r) for r, w in srcw.items())) or close(
     bf.broadcast(X, torch.tensor(SIZE - 1), name="w.root"), data(SIZE - 1)))
+attempt("weights.tensor_rank_twice", bf.neighbor_allreduce, X, self_weight=0.5,
+        src_weights={torch.tensor(IN[0]): 0.25, torch.tensor(IN[0]): 0.25}, name="w.twice")
 attempt("weights.tensor_of_two", bf.neighbor_allreduce, X, self_weight=torch.tensor([0.5, 0.5]),
         src_weights={}, name="w.two")
 
