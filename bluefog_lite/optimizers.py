@@ -85,16 +85,16 @@ class _AfterForward(CopiedInert):
 
 
 class _CountForward(CopiedInert):
-    """A model's forward pre-hook: count the training passes (grad enabled) since
+    """A model's forward pre-hook: count its training passes (grad enabled) since
     the wrapper last communicated (see _ForwardCounted)."""
-    __slots__ = ("wrapper",)
+    __slots__ = ("counts", "index")
 
-    def __init__(self, wrapper):
-        self.wrapper = wrapper
+    def __init__(self, counts, index):
+        self.counts, self.index = counts, index
 
     def __call__(self, module, inputs):
         if module.training and torch.is_grad_enabled():
-            self.wrapper._forwards += 1
+            self.counts[self.index] += 1
 
 
 class _InOrder:
@@ -469,18 +469,20 @@ class _ForwardCounted:
     num_steps_per_communication=k they communicate in the step that follows every
     k-th training pass of the model (k passes per step, i.e. gradient accumulation:
     every step; one pass per step: steps k, 2k, ...). The passes are counted where
-    the model itself is called (a forward pre-hook). k=1: every step."""
+    the model itself is called (a forward pre-hook); with a list of models, those
+    of the one called most (a GAN's generator and discriminator, each called once
+    per step: one pass per step). k=1: every step."""
 
     def _count_forwards(self):
-        self._forwards = 0
-        for m in self._models:
-            self._hooks.append(m.register_forward_pre_hook(_CountForward(self)))
+        self._forwards = [0] * len(self._models)
+        for i, m in enumerate(self._models):
+            self._hooks.append(m.register_forward_pre_hook(_CountForward(self._forwards, i)))
 
     def _communicating(self):
-        return self.num_steps_per_communication == 1 or self._forwards >= self.num_steps_per_communication
+        return self.num_steps_per_communication == 1 or max(self._forwards) >= self.num_steps_per_communication
 
     def _communicated(self):
-        self._forwards = 0
+        self._forwards[:] = [0] * len(self._forwards)
 
 
 class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicator):

@@ -207,6 +207,21 @@ try:
 except ValueError as exc:
     assert "already has a DistributedAdaptWithCombineOptimizer" in str(exc), exc
 opt.remove_hooks()
+# with k=2, both models called once per step are one pass per step: steps 2, 4 communicate
+models, _ = pair()
+for o in _:
+    o.remove_hooks()
+opt = bf.DistributedAdaptWithCombineOptimizer(
+    torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.0), models, num_steps_per_communication=2)
+for s in range(1, 5):
+    for m in models:
+        m.zero_grad()
+        m(data).sum().backward()
+    opt.step()
+    for k, m in enumerate(models):
+        want = (np.linalg.matrix_power(W.T, s // 2) @ (x0 * (k + 1)))[r]
+        assert np.allclose(m[0].weight.detach().numpy().ravel(), want, rtol=1e-12), (r, s, k, m[0].weight, want)
+opt.remove_hooks()
 for bad, exc, words in (([models[0], "D"], TypeError, "a non-empty list of them, got [Sequential, str]"),
                         ([], TypeError, "a non-empty list of them"),
                         ([models[0], models[0]], ValueError, "model lists the same module twice")):
