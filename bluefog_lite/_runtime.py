@@ -214,12 +214,17 @@ def shutdown():
     threading.excepthook = threading.__excepthook__
 
 
+_SETTLE_MAX_S = 60.0
+
+
 def _settle(engine):
-    """Wait (sleeping) until this agent's own operations in flight have finished,
-    for at most the stall warning time: until then its data may still depend on
-    others (a machine's sum in a hierarchical op) and it must not count as leaving."""
-    deadline, delay = time.monotonic() + engine.stall_warning_s, 1e-4
-    while engine.has_pending() and time.monotonic() < deadline:
+    """Wait (sleeping) until this agent's own operations in flight have finished:
+    until then its data may still depend on others (a machine's sum in a
+    hierarchical op) and it must not count as leaving. Not longer than the stall
+    warning time (at most a minute), and not once an agent they wait for is itself
+    waiting in an operation this agent never started (a program that failed here)."""
+    deadline, delay = time.monotonic() + min(engine.stall_warning_s, _SETTLE_MAX_S), 1e-4
+    while engine.has_pending() and time.monotonic() < deadline and not engine.peers_wait_elsewhere():
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
 

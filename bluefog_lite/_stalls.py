@@ -90,6 +90,29 @@ class StallInspector:
             return []
         return found
 
+    def peers_wait_elsewhere(self):
+        """Whether an agent that an active operation of this agent waits for is itself
+        waiting in an operation this agent has not started: a collective whose
+        negotiation it sent, or data it sent under a name no active operation here
+        takes (shutdown stops waiting for this agent's own operations then: they
+        would wait for good). Safe from another thread: False when the snapshot races
+        with the loop."""
+        try:
+            awaited, wanted = set(), set()
+            for op in list(self._active):
+                if op.wait.__class__ is Recv:
+                    wanted.update(op.wait.keys)
+                    awaited.update(self._lacking(op.wait))
+            if not awaited:
+                return False
+            elsewhere = {r for ranks in self._unjoined_collectives().values() for r in ranks}
+            for (src, key), q in list(self.stream.inbox.items()):
+                if q and (src, key) not in wanted and _negotiation(key, q[0]) is None:
+                    elsewhere.add(src)
+            return bool(awaited & elsewhere)
+        except (RuntimeError, KeyError, IndexError, AttributeError):
+            return False
+
     def split_group(self, op):
         """A fused group (op runs its task) waiting with the inputs of some members all
         in and others' not: a neighbor may wait for this agent to finish one of the

@@ -1,6 +1,7 @@
 """Shutdown: it waits for every agent, says whom it waits for, frees windows with late agents;
 the timing variables it reads."""
 import re
+import time
 import types
 
 import pytest
@@ -47,6 +48,15 @@ def test_no_warning_names_nobody_when_the_last_notice_lands_meanwhile(monkeypatc
 
 def test_an_agent_is_not_leaving_while_its_own_operation_is_in_flight():
     run_agents(4, "leave_in_flight.py", timeout=60, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
+@pytest.mark.parametrize("warning_s", ["60", "inf"])
+def test_an_agent_whose_operation_nobody_joins_leaves_at_once(warning_s):
+    start = time.monotonic()
+    rc, out = run_agents(2, "leave_unjoined.py", timeout=60, expect_ok=False,
+                         env={"BLUEFOG_STALL_WARNING_S": warning_s})
+    assert rc != 0 and "rank 1: ALLREDUCE 'b' waits for rank 0, which has left the job" in out, out
+    assert time.monotonic() - start < 30, f"took {time.monotonic() - start:.0f} s:\n{out}"
 
 
 def test_timing_variables_are_checked_and_inf_means_never(monkeypatch):
