@@ -95,6 +95,7 @@ class _CountForward(CopiedInert):
     def __call__(self, module, inputs):
         if module.training and torch.is_grad_enabled():
             self.counts[self.index] += 1
+            self.counts[-1] += 1        # passes since the last step
 
 
 class _InOrder:
@@ -474,12 +475,20 @@ class _ForwardCounted:
     per step: one pass per step). k=1: every step."""
 
     def _count_forwards(self):
-        self._forwards = [0] * len(self._models)
+        self._forwards = [0] * (len(self._models) + 1)    # per model; the last: passes since the last step
         for i, m in enumerate(self._models):
             self._hooks.append(m.register_forward_pre_hook(_CountForward(self._forwards, i)))
 
     def _communicating(self):
-        return self.num_steps_per_communication == 1 or max(self._forwards) >= self.num_steps_per_communication
+        return self.num_steps_per_communication == 1 or max(self._forwards[:-1]) >= self.num_steps_per_communication
+
+    def _count_step(self):
+        """At step(): a step that saw no counted pass (the model's submodules were
+        called, not the model) counts as one, so that it still communicates every k
+        steps (those submodules' communication then starts in step())."""
+        if not self._forwards[-1]:
+            self._forwards[:-1] = [c + 1 for c in self._forwards[:-1]]
+        self._forwards[-1] = 0
 
     def _communicated(self):
         self._forwards[:] = [0] * len(self._forwards)
@@ -497,6 +506,7 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
+        self._count_step()
         communicating = self._communicating()
         self._step_synchronize()
         self.optimizer.step()
@@ -731,6 +741,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
+        self._count_step()
         communicating = self._communicating()
         try:
             if communicating and not self._skip_sync:

@@ -65,6 +65,23 @@ for s in range(1, 4):
         f"rank {r}, AWC with {K} passes per step, k={K}: after step {s} {got} != W^{s} x0 = {want}"
 opt.remove_hooks()
 
+# 1c. ... and a model whose own forward is never called (its submodule is): no pass is
+#     counted, each step counts as one, so steps k, 2k, ... still communicate
+model = torch.nn.Sequential(torch.nn.Linear(2, 1, bias=False, dtype=torch.float64))
+with torch.no_grad():
+    model[0].weight.copy_(torch.from_numpy(x0[r]).view(1, 2))
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                              num_steps_per_communication=K)
+for s in range(1, STEPS + 1):
+    opt.zero_grad()
+    model[0](data).sum().backward()
+    opt.step()
+    want = (np.linalg.matrix_power(W.T, s // K) @ x0)[r]
+    got = model[0].weight.detach().numpy().ravel()
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12), \
+        f"rank {r}, AWC called through its submodule, k={K}: after step {s} {got} != W^{s // K} x0 = {want}"
+opt.remove_hooks()
+
 # 2. ATC after load_state_dict: lr set to 0 afterwards, so its local steps change nothing
 model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
 opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
