@@ -480,18 +480,19 @@ class _ForwardCounted:
             self._hooks.append(m.register_forward_pre_hook(_CountForward(self._forwards, i)))
 
     def _communicating(self):
-        return self.num_steps_per_communication == 1 or max(self._forwards[:-1]) >= self.num_steps_per_communication
+        """A step that sees no counted pass (the model's submodules are called, not the
+        model) counts as one, so that it still communicates every k steps."""
+        passes = max(self._forwards[:-1]) + (not self._forwards[-1])
+        return self.num_steps_per_communication == 1 or passes >= self.num_steps_per_communication
 
-    def _count_step(self):
-        """At step(): a step that saw no counted pass (the model's submodules were
-        called, not the model) counts as one, so that it still communicates every k
-        steps (those submodules' communication then starts in step())."""
-        if not self._forwards[-1]:
-            self._forwards[:-1] = [c + 1 for c in self._forwards[:-1]]
-        self._forwards[-1] = 0
-
-    def _communicated(self):
-        self._forwards[:] = [0] * len(self._forwards)
+    def _count_step(self, communicated):
+        """At the end of step()."""
+        if communicated:
+            self._forwards[:] = [0] * len(self._forwards)
+        else:
+            if not self._forwards[-1]:
+                self._forwards[:-1] = [c + 1 for c in self._forwards[:-1]]
+            self._forwards[-1] = 0
 
 
 class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicator):
@@ -506,12 +507,10 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        self._count_step()
         communicating = self._communicating()
         self._step_synchronize()
         self.optimizer.step()
-        if communicating:
-            self._communicated()
+        self._count_step(communicating)
         self._finish_step()
         return loss
 
@@ -741,7 +740,6 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
-        self._count_step()
         communicating = self._communicating()
         try:
             if communicating and not self._skip_sync:
@@ -749,8 +747,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             self.optimizer.step()
         finally:
             self._synchronized = False     # (also after an error: the next step combines)
-        if communicating:
-            self._communicated()
+        self._count_step(communicating)
         self._finish_step()
         return loss
 
