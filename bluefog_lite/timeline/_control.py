@@ -37,20 +37,24 @@ def timeline_path(prefix, rank):
     return f"{prefix}{rank}.json"
 
 
-def _open_for_writing(path):
-    """The file descriptor of path (created/truncated); ValueError naming the path if impossible."""
+_FROM_ENV = "check BLUEFOG_TIMELINE / --timeline-filename"
+
+
+def _open_for_writing(path, check=_FROM_ENV):
+    """The file descriptor of path (created/truncated); ValueError naming the path if
+    impossible (check: where the prefix came from)."""
     folder = os.path.dirname(path) or "."
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"timeline: cannot write {path!r}: {folder!r} is not a directory "
-                         "(check BLUEFOG_TIMELINE / --timeline-filename)")
+                         f"({check})")
     if not os.path.isdir(folder):
         raise ValueError(f"timeline: cannot write {path!r}: directory {folder!r} does not exist "
-                         "(check BLUEFOG_TIMELINE / --timeline-filename)")
+                         f"({check})")
     try:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except OSError as exc:
         raise ValueError(f"timeline: cannot write {path!r}: {exc.strerror} "
-                         "(check BLUEFOG_TIMELINE / --timeline-filename)") from None
+                         f"({check})") from None
 
 
 def _check_prefix(prefix):
@@ -170,8 +174,9 @@ def timeline_start(prefix, mark_cycles=False):
     _check_prefix(prefix)
     from .._runtime import state
     st = state()
-    _close_session()
-    _session = _Session(prefix, st)
+    fd = _open_for_writing(timeline_path(prefix, st.rank), "check the prefix given to timeline_start")
+    _close_session()        # (only once the new file is open: a bad prefix leaves the open one alone)
+    _session = _Session(prefix, st, fd=fd)
     st.engine.mark_cycles = bool(mark_cycles) or st.engine.mark_cycles_env
     _session.record()
     _tell_followers()

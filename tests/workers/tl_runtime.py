@@ -59,6 +59,11 @@ bf.neighbor_allreduce(x, name="after")
 assert bf.timeline_start_activity("u", "B") is False
 bf.timeline_stop()           # stopping twice is harmless
 bf.timeline_start(prefix + "again_")     # mark_cycles=False: this file has no cycle markers
+try:                                     # a bad prefix: named, and the open file goes on
+    bf.timeline_start("/no/such/dir/tl_")
+    raise AssertionError("timeline_start into a missing directory was accepted")
+except ValueError as e:
+    assert "directory '/no/such/dir' does not exist (check the prefix given to timeline_start)" in str(e), e
 bf.neighbor_allreduce(x, name="again")
 bf.timeline_stop()
 bf.shutdown()
