@@ -280,6 +280,19 @@ def test_broadcast_arrows_go_from_the_root_only(tmp_path, capsys):
     assert code == 0
     arrows = {(u - 1, v - 1) for u, v, _, _ in check_flows(load_json(tmp_path / "m.json"))}
     assert arrows == {(1, 0), (1, 2)}, arrows
+    # the root's file missing (--allow-missing): no arrows for the broadcast, not every pair of
+    # the others (the files carry send marks: not an older version's); a neighbor call keeps its
+    os.remove(f"{prefix}1.json")
+    for r in (0, 2):
+        calls = (op_call("b", "BROADCAST", (1000, 2000), (1010, 1990), (1020, 1980))
+                 + op_call("n", "NEIGHBOR_ALLREDUCE", (3000, 4000), (3010, 3990), (3020, 3980)))
+        write_agent(f"{prefix}{r}.json", r, 3, calls, instants=[("n", "communication", f"SEND_TO {2 - r}", 3030)])
+    code, _, _ = cli(["merge", prefix, "--allow-missing", "-o", tmp_path / "m2.json"], capsys)
+    assert code == 0
+    events = load_json(tmp_path / "m2.json")
+    names = {e["id"]: e["name"] for e in events if e.get("ph") == "s"}
+    arrows = {(names[s["id"]], u - 1, v - 1) for u, v, s, _ in check_flows(events)}
+    assert arrows == {("n", 0, 2), ("n", 2, 0)}, arrows
 
 
 def test_an_agent_that_sent_to_nobody_has_no_arrows_and_a_local_allreduce_stays_in_its_machine(tmp_path, capsys):

@@ -172,6 +172,7 @@ def _flow_lines(records, edges):
     """The "s"/"f" event lines of every arrow, generated lazily."""
     flow_id = 0
     keys = sorted({key for recs, _ in records.values() for key in recs.exchanges})
+    marked = any(d is not None for recs, _ in records.values() for ex in recs.exchanges.values() for d in ex.dsts)
     for key in keys:
         name, kind = key
         present = {r: recs for r, (recs, _) in records.items() if key in recs.exchanges}
@@ -180,7 +181,7 @@ def _flow_lines(records, edges):
             continue
         n = max(len(recs.exchanges[key].send) for recs in present.values())
         for k in range(n):
-            for u, v in _pairs_of_call(present, key, k, kind, pairs):
+            for u, v in _pairs_of_call(present, key, k, kind, pairs, marked):
                 send = _end_point(present[u], records[u][1], key, k, sending=True)
                 recv = _end_point(present[v], records[v][1], key, k, sending=False)
                 if send is None or recv is None:
@@ -193,14 +194,16 @@ def _flow_lines(records, edges):
                              "ts": recv[0], "pid": agent_pid(v), "tid": recv[1]})
 
 
-def _pairs_of_call(present, key, k, kind, pairs):
+def _pairs_of_call(present, key, k, kind, pairs, marked=False):
     """The (sender, receiver) pairs of the k-th call: the ranks each agent recorded
     sending to, where it did (neighbor operations; a broadcast's root; the agents of a
-    machine-local allreduce), else the given pairs (an MPI collective records none)."""
+    machine-local allreduce), else the given pairs (an MPI collective records none).
+    marked: the files record send marks (not an older version's): a broadcast without
+    one had its root's file missing or cut, and gets no arrows."""
     if kind in COLLECTIVE_KINDS:
         sent = {u: _sent(recs, key, k) for u, recs in sorted(present.items())}
         if all(s is None for s in sent.values()):
-            return pairs
+            return [] if kind == "BROADCAST" and marked else pairs
         return [(u, v) for u, dsts in sent.items() for v in dsts or () if v in present]
     out = []
     for u, recs in sorted(present.items()):
