@@ -460,6 +460,14 @@ def test_an_empty_file_is_named_as_empty(tmp_path, capsys):
     (tmp_path / "tl_1.json").write_text("[\n")
     code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
     assert code == 1 and "tl_1.json is empty" in err, err
+    # cut inside its first line (a full disk, a short write): no whole event, so empty too,
+    # and --allow-missing reads the run without it (it was "not a bluefog_lite timeline file")
+    whole = (tmp_path / "tl_0.json").read_text()
+    (tmp_path / "tl_1.json").write_text(whole[:60])
+    code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
+    assert code == 1 and "tl_1.json is empty" in err, err
+    code, out, err = cli(["summary", tmp_path / "tl_", "--allow-missing"], capsys)
+    assert code == 0 and "tl_1.json (empty)" in out + err, (out, err)
 
 
 def test_a_run_whose_agents_did_not_all_write_is_read_with_allow_missing(tmp_path, capsys):

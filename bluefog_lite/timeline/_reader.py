@@ -158,18 +158,32 @@ def _load_whole(path):
 
 
 def is_empty(path):
-    """True for a file its agent opened but wrote nothing into (at most "[\\n")."""
-    return os.path.getsize(path) <= 2
+    """True for a file its agent opened but wrote no whole event into: at most "[\\n",
+    or that and the start of its first line (cut by a full disk or a short write)."""
+    if os.path.getsize(path) <= 2:
+        return True
+    with open(path, "rb") as f:
+        if f.read(2) != b"[\n":
+            return False
+        rest = f.read(1 << 16)
+    if b"\n" in rest.rstrip(b"\n"):
+        return False
+    try:
+        json.loads(rest.decode().strip().rstrip(","))
+    except (ValueError, UnicodeDecodeError):
+        return True        # (json.JSONDecodeError is a ValueError)
+    return False
 
 
 def read_metadata(path, within=64):
     """The bluefog_metadata args of a file, reading only its first events (the
     writer puts them first). Raises ValueError naming the path if absent."""
-    for k, ev in enumerate(iter_events(path)):
-        if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
-            return ev["args"]
-        if k >= within:
-            break
+    if not is_empty(path):
+        for k, ev in enumerate(iter_events(path)):
+            if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
+                return ev["args"]
+            if k >= within:
+                break
     if is_empty(path):
         raise ValueError(f"{path} is empty: its agent wrote no timeline (killed before its writer's first "
                          "flush, or a file left from elsewhere; --allow-missing reads the run without it)")
