@@ -136,6 +136,11 @@ def register_step_function(optimizer_class, fn):
     _STEPS[optimizer_class] = fn
 
 
+class NoStepRule(TypeError, ValueError):
+    """The optimizer has no per-parameter rule (a TypeError; also a ValueError, which
+    is what Bluefog raised)."""
+
+
 def _step_of(cls):
     """cls.step without its wrappers (torch's profiling hook, decorators)."""
     return inspect.unwrap(cls.step)
@@ -146,7 +151,7 @@ def step_function_for(optimizer):
     for cls in kind.__mro__:
         if cls in _STEPS:
             if _step_of(kind) is not _step_of(cls):
-                raise TypeError(
+                raise NoStepRule(
                     f"{kind.__name__} overrides step() of {cls.__name__}: DistributedAdaptThenCombineOptimizer "
                     f"would apply {cls.__name__}'s per-parameter rule instead of it. Register its rule with "
                     f"bf.register_step_function({kind.__name__}, fn)")
@@ -155,6 +160,6 @@ def step_function_for(optimizer):
                 for group in optimizer.param_groups:
                     _refuse_amsgrad(group)
             return fn
-    raise TypeError(f"DistributedAdaptThenCombineOptimizer has no per-parameter step for "
+    raise NoStepRule(f"DistributedAdaptThenCombineOptimizer has no per-parameter step for "
                     f"{type(optimizer).__name__}; supported: {[c.__name__ for c in _STEPS]}. "
                     "Add one with bf.register_step_function(cls, fn)")

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from . import ops, windows
-from ._local_steps import step_function_for
+from ._local_steps import NoStepRule, step_function_for
 from ._runtime import state
 from .hooks import CopiedInert, install_unless_present
 from .timeline import _control as _timeline
@@ -518,7 +518,7 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 def _no_step_rule(exc):
     """A stand-in per-parameter rule that raises exc (the optimizer has none) when used."""
     def step(p, grad, group, state):
-        raise TypeError(f"{exc} (or, after wrapping, with the wrapper's register_step_function(f))")
+        raise NoStepRule(f"{exc} (or, after wrapping, with the wrapper's register_step_function(f))")
     return step
 
 
@@ -532,7 +532,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                          name_prefix=name_prefix)
         try:
             self._local_step = step_function_for(optimizer)
-        except TypeError as exc:       # no rule for it: Bluefog's opt.register_step_function(f) may come next
+        except NoStepRule as exc:      # no rule for it: Bluefog's opt.register_step_function(f) may come next
             self._local_step = _no_step_rule(exc)
         self._launched = set()
         self._updated = set()

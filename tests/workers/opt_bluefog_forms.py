@@ -75,6 +75,7 @@ atc = bf.DistributedAdaptThenCombineOptimizer(HalfSGD(wrapped.parameters(), lr=0
 try:
     wrapped(torch.ones(1, 3), 0).sum().backward()      # the first parameter's hook needs the rule
 except TypeError as e:
+    assert isinstance(e, ValueError), "Bluefog raised a ValueError: scripts may catch that"
     assert "HalfSGD overrides step() of SGD" in str(e) and "register_step_function" in str(e), e
 else:
     raise AssertionError("ATC applied SGD's rule to a subclass with its own step()")
