@@ -13,8 +13,8 @@ _EXPORTS = {
     "._runtime": (
         "BluefogError", "init", "shutdown", "rank", "size", "local_rank", "local_size", "machine_rank",
         "machine_size", "is_homogeneous", "mpi_threads_supported", "unified_mpi_window_model_supported",
-        "nccl_built", "set_skip_negotiate_stage", "get_skip_negotiate_stage", "suspend", "resume", "set_topology", "load_topology",
-        "is_topo_weighted", "in_neighbor_ranks", "out_neighbor_ranks", "set_machine_topology",
+        "nccl_built", "set_skip_negotiate_stage", "get_skip_negotiate_stage", "suspend", "resume", "set_topology",
+        "load_topology", "is_topo_weighted", "in_neighbor_ranks", "out_neighbor_ranks", "set_machine_topology",
         "load_machine_topology", "in_neighbor_machine_ranks", "out_neighbor_machine_ranks"),
     ".ops": (
         "poll", "synchronize", "wait", "barrier",
