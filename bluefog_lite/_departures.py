@@ -93,7 +93,7 @@ class Departures:
         engine changed it meanwhile is retried at the next tick."""
         now, found = time.monotonic(), set()
         for op, wait, missing, since_wait in self.engine.waiting_for_data():
-            gone = self.departed if getattr(op, "at_shutdown", False) else self.leaving
+            gone = self.departed if op.at_shutdown else self.leaving
             for r in missing:
                 since = gone.get(r)
                 if since is not None and now - max(since, since_wait) > GRACE_S:

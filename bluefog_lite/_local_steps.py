@@ -125,15 +125,20 @@ def register_step_function(optimizer_class, fn):
     fn(param, grad, param_group, state_dict_of_param) updates param in place."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass")
+    check_step_function(fn, "fn", "fn(param, grad, group, state)")
+    _STEPS[optimizer_class] = fn
+
+
+def check_step_function(fn, what, form):
+    """TypeError unless fn can be called with four arguments, as form says."""
     if not callable(fn):
-        raise TypeError("fn must be callable as fn(param, grad, group, state)")
+        raise TypeError(f"{what} must be callable as {form}")
     try:
         inspect.signature(fn).bind(None, None, None, None)
     except TypeError as exc:
-        raise TypeError(f"fn must take four arguments, fn(param, grad, group, state): {exc}") from None
+        raise TypeError(f"{what} must take four arguments, {form}: {exc}") from None
     except ValueError:
         pass     # (a builtin without a signature: trusted)
-    _STEPS[optimizer_class] = fn
 
 
 class NoStepRule(TypeError, ValueError):

@@ -13,7 +13,6 @@ the wrapped optimizer, so schedulers, checkpoints and loops keep working.
 """
 import contextlib
 import enum
-import inspect
 import numbers
 import weakref
 import warnings
@@ -21,7 +20,7 @@ import warnings
 import torch
 
 from . import ops, windows
-from ._local_steps import NoStepRule, step_function_for
+from ._local_steps import NoStepRule, check_step_function, step_function_for
 from ._runtime import state
 from .hooks import CopiedInert, install_unless_present
 from .timeline import _control as _timeline
@@ -540,7 +539,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
         for name, p in self._named:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, group_of[id(p)])))
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, self._group_of[name])))
         self._extra_of = (None, [])     # (groups' shape, _extra's list) as last found
 
     def _extra(self):
@@ -579,15 +578,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         place (self is this wrapper: self.state[param] is the parameter's state). It
         replaces the rule for this wrapper only; bf.register_step_function(cls, fn)
         teaches every wrapper of an optimizer class."""
-        if not callable(step_func):
-            raise TypeError("step_func must be callable as step_func(optimizer, param, grad, group)")
-        try:
-            inspect.signature(step_func).bind(None, None, None, None)
-        except TypeError as exc:
-            raise TypeError("step_func must take four arguments, step_func(optimizer, param, grad, group): "
-                            f"{exc}") from None
-        except ValueError:
-            pass     # (a builtin without a signature: trusted)
+        check_step_function(step_func, "step_func", "step_func(optimizer, param, grad, group)")
         self._local_step = lambda p, grad, group, state: step_func(self, p, grad, group)
 
     def _launch_rest(self):

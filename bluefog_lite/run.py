@@ -245,10 +245,8 @@ def _hostfile_problem(path: str) -> Optional[str]:
         if not words:
             continue
         host, colon, count = words[0].partition(":")
-        if ":" in count:        # an IPv6 address (Open MPI), or MPICH's host:n:interface: not checked
-            hosts += 1
-            continue
-        if not host or (colon and not (count.isdigit() and int(count) > 0)):
+        # (two colons or more: an IPv6 address (Open MPI), or MPICH's host:n:interface: not checked)
+        if ":" not in count and (not host or (colon and not (count.isdigit() and int(count) > 0))):
             return (f"line {number} {line.strip()!r}: expected a host name, optionally with a positive process "
                     "count (host:4)")
         hosts += 1

@@ -178,13 +178,12 @@ def is_empty(path):
 def read_metadata(path, within=64):
     """The bluefog_metadata args of a file, reading only its first events (the
     writer puts them first). Raises ValueError naming the path if absent."""
-    if not is_empty(path):
-        for k, ev in enumerate(iter_events(path)):
-            if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
-                return ev["args"]
-            if k >= within:
-                break
     if is_empty(path):
         raise ValueError(f"{path} is empty: its agent wrote no timeline (killed before its writer's first "
                          "flush, or a file left from elsewhere; --allow-missing reads the run without it)")
+    for k, ev in enumerate(iter_events(path)):
+        if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
+            return ev["args"]
+        if k >= within:
+            break
     raise ValueError(f"{path} is not a bluefog_lite timeline file (no bluefog_metadata event at its start)")
