@@ -180,6 +180,11 @@ class _ReadThrough:
             setattr(inner, self.name, value)
 
 
+def _returned(result, state_dict):
+    """A state-dict hook's result: a new dict, or None for 'keep state_dict'."""
+    return state_dict if result is None else result
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
@@ -248,11 +253,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     send_neighbor_machines = property(lambda self: self.dst_machine_weights,
                                       lambda self, v: setattr(self, "dst_machine_weights", v))
 
+    # The state is the wrapped optimizer's; hooks registered on the wrapper run around
+    # it as torch.optim.Optimizer runs them (a post or load-pre hook may return a new dict).
     def state_dict(self):
-        return self.optimizer.state_dict()
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = self.optimizer.state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = _returned(hook(self, state_dict), state_dict)
+        return state_dict
 
     def load_state_dict(self, state_dict):
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _returned(hook(self, state_dict), state_dict)
         self.optimizer.load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -658,6 +674,10 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         if p.grad is None:          # unused on this agent this step
             p.grad = torch.zeros_like(p)
             self._filled.add(id(p))
+        elif p.grad.layout is not torch.strided:
+            raise TypeError(f"parameter {name!r} has a {p.grad.layout} gradient: "
+                            f"{type(self).__name__} averages dense gradients only (e.g. nn.Embedding(..., "
+                            "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, WinPut)")
         with self._named_after(name):
             h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
         self._handles[name] = (p, h)

@@ -34,7 +34,8 @@ def test_bluefog_forms_and_plain_optimizer_equivalence(tmp_path):
     with its own step() until its rule is registered (Bluefog's opt.register_step_function),
     keeps a scheduler on its base optimizer quiet; WinPut combines once after
     synchronize(), has force_barrier/window_prefix/unregister_window; turn_off_timeline()
-    stops FORWARD spans (tests/workers/opt_bluefog_forms.py, against torch.optim)."""
+    stops FORWARD spans; state-dict hooks registered on a wrapper run
+    (tests/workers/opt_bluefog_forms.py, against torch.optim)."""
     run_agents(1, "opt_bluefog_forms.py", timeout=90, env={"BLUEFOG_TIMELINE": str(tmp_path / "t")})
 
 
@@ -98,6 +99,7 @@ def test_unsupported_optimizer_names_the_fix():
 
 
 def test_wrapper_arguments_are_checked():
+    """Each bad argument raises naming it; a sparse gradient in gradient allreduce is named."""
     run_agents(2, "opt_arguments.py", timeout=90)
 
 

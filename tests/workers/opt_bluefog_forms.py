@@ -9,6 +9,7 @@ torch.optim itself:
   its step() came first;
 - WinPut: synchronize() then step() combines once; force_barrier, window_prefix,
   unregister_window();
+- state-dict hooks registered on a wrapper run (torch.optim.Optimizer's contract);
 - turn_off_timeline()/turn_on_timeline(): FORWARD spans only while on."""
 import copy
 import json
@@ -145,6 +146,26 @@ for s in range(1, 4):
     assert torch.allclose(params(model), 0.5 ** s * start), (s, params(model), 0.5 ** s * start)
 win.free_windows()
 win.remove_hooks()
+
+# state-dict hooks registered on a wrapper run around the wrapped optimizer's state, as torch's
+# do: a post hook's dict is returned, a load pre hook's dict is loaded
+for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer,
+                bf.DistributedGradientAllreduceOptimizer, bf.DistributedWinPutOptimizer):
+    model = Plain()
+    opt = wrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append(("pre", o)))
+    opt.register_state_dict_post_hook(lambda o, sd: dict(sd, note="saved"))
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: {**sd, "param_groups": [dict(g, lr=0.25) for g in sd["param_groups"]]})
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(("post", o)))
+    saved = opt.state_dict()
+    assert saved["note"] == "saved" and seen == [("pre", opt)], (wrapper.__name__, saved.keys(), seen)
+    opt.load_state_dict(saved)
+    assert seen[-1] == ("post", opt) and opt.optimizer.param_groups[0]["lr"] == 0.25, (wrapper.__name__, seen)
+    opt.remove_hooks()
+    if wrapper is bf.DistributedWinPutOptimizer:
+        opt.free_windows()
 
 prefix = os.environ["BLUEFOG_TIMELINE"]
 model = Plain()
