@@ -1,4 +1,6 @@
 """Model and optimizer helpers: broadcast or average all parameters, share optimizer state."""
+import pickle
+
 import torch
 
 from . import _arguments, _devices, _tasks, ops
@@ -136,7 +138,7 @@ def broadcast_optimizer_state(optimizer, root_rank):
             raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
         kind = type(getattr(optimizer, "optimizer", optimizer)).__name__   # a wrapper's inner one
         shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
-        return root, (kind, shapes, _host_copies(optimizer.state_dict()) if st.rank == root else None)
+        return root, (kind, shapes, _pickled_state(optimizer) if st.rank == root else None)
     root, views = ops._negotiate("broadcast.optimizer_state", validated)
     kinds = {r: kind for r, (kind, _, _) in enumerate(views)}
     if len(set(kinds.values())) > 1:
@@ -144,7 +146,30 @@ def broadcast_optimizer_state(optimizer, root_rank):
                          + ", ".join(f"rank {r}: {k}" for r, k in kinds.items()) + ")")
     _same_parameters([shapes for _, shapes, _ in views])
     if st.rank != root:
-        optimizer.load_state_dict(views[root][2])
+        optimizer.load_state_dict(pickle.loads(views[root][2]))
+
+
+def _pickled_state(optimizer):
+    """The root's state_dict, pickled once on the caller's thread (the communication
+    thread sends the bytes to every agent). TypeError naming the entry that cannot be."""
+    sd = _host_copies(optimizer.state_dict())
+    try:
+        return pickle.dumps(sd, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        entries = [(f"param_groups[{g}][{k!r}]", v) for g, group in enumerate(sd.get("param_groups", []))
+                   for k, v in group.items()]
+        entries += [(f"state[{i!r}][{k!r}]", v) for i, s in sd.get("state", {}).items() for k, v in s.items()]
+        where = next((w for w, v in entries if not _picklable(v)), "an entry of its state_dict()")
+        raise TypeError(f"broadcast_optimizer_state: the root's optimizer state cannot be sent: {where} "
+                        f"cannot be pickled ({type(exc).__name__}: {exc})") from None
+
+
+def _picklable(value):
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def _same_parameters(shapes_of):

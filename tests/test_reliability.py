@@ -287,6 +287,11 @@ def test_parameter_helpers_check_every_agents_parameters_first(cases):
     raised(cases, "params.optimizer_shapes", "ValueError", "the agents' optimizers hold different parameters",
            "parameter 0 of group 0 has shape rank 0: [2, 2]", "rank 2: [2, 3]")
     raised(cases, "params.optimizer_module", "TypeError", "broadcast_optimizer_state needs an optimizer, got Linear")
+    # a root state that cannot be pickled: named on the root, every agent raises, the job goes on
+    raised(cases, "params.optimizer_unpicklable", "TypeError", "broadcast_optimizer_state: the root's optimizer "
+           "state cannot be sent: param_groups[0]['fn'] cannot be pickled", ranks=[0])
+    raised(cases, "params.optimizer_unpicklable", "ValueError", "failed on every agent because of bad input",
+           "rank 0: TypeError", ranks=[1, 2, 3])
     assert cases.of("params.after_errors") == {r: "OK" for r in range(N)}
     raised(cases, "params.expanded", "ValueError", "allreduce_parameters: parameter 'b': the tensor's elements "
            "share memory", ranks=[1])

@@ -276,6 +276,9 @@ attempt("params.optimizer_groups", bf.broadcast_optimizer_state,
 attempt("params.optimizer_shapes", bf.broadcast_optimizer_state,
         torch.optim.SGD(torch.nn.Linear(3 if RANK == 2 else 2, 2).parameters(), lr=0.1), 0)
 attempt("params.optimizer_module", bf.broadcast_optimizer_state, MODEL, 0)
+UNSENDABLE = torch.optim.SGD(MODEL.parameters(), lr=0.1)
+UNSENDABLE.param_groups[0]["fn"] = lambda x: x      # the root's state cannot be pickled
+attempt("params.optimizer_unpicklable", bf.broadcast_optimizer_state, UNSENDABLE, 0)
 # a parameter the result cannot be written into (on one agent), checked before any is changed
 MINE = torch.full((2,), float(RANK))
 attempt("params.expanded", bf.allreduce_parameters,
