@@ -236,6 +236,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _timeline.follow(self)
         self.timeline_changed()
 
+    _wait = staticmethod(ops.synchronize)     # waits for one of the wrapper's handles
+
     def __getstate__(self):
         raise TypeError("distributed optimizers cannot be pickled; save state_dict() instead")
 
@@ -319,7 +321,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start what the pass did not (its unused parameters), wait for all
         communication of this step and install the results."""
         self._rest_once()
-        self._all_handles(lambda p, handle: self._apply(p, ops.synchronize(handle)))
+        self._all_handles(lambda p, handle: self._apply(p, self._wait(handle)))
 
     def _all_handles(self, finish):
         """finish(p, handle) for every handle of this step (ops._finish_all); after an
@@ -420,11 +422,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self):
         """Remove every hook this wrapper installed (for good: a timeline opened later
-        does not install compute hooks either)."""
-        for h in self._hooks or ():
-            h.remove()
-        self._hooks = None
-        self.timeline_changed()
+        does not install compute hooks either). Communication still in flight (a pass
+        not followed by step(), e.g. after an error) is waited for and its results
+        dropped, so that its names are free for a new wrapper."""
+        try:
+            self._all_handles(lambda p, handle: self._wait(handle))
+        finally:
+            for h in self._hooks or ():
+                h.remove()
+            self._hooks = None
+            self.timeline_changed()
 
 
 class _ParameterCommunicator(_DistributedOptimizer):
@@ -712,6 +719,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
     ``self_weight``/``src_weights`` the combination. Call free_windows() (or
     bf.win_free()) when done."""
     _named_ops = False
+    _wait = staticmethod(windows.win_wait)
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         self._prefix = _prefix(window_prefix, "window_prefix")
@@ -738,7 +746,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             if name not in self._handles and name not in self._launched:
                 self._put(name, p)
         self._launched = set()
-        self._all_handles(lambda p, h: windows.win_wait(h))
+        self._all_handles(lambda p, h: self._wait(h))
         for name, _ in self._named:
             if self.self_weight is None:
                 windows.win_update(self._prefix + name)

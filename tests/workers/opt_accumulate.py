@@ -1,7 +1,8 @@
 """Two backward passes before one step(): AWC steps on the summed gradient, like
 torch.optim; ATC, which has already applied and sent the first gradient, raises
 instead of silently dropping the second; gradient allreduce accumulates with
-num_steps_per_communication=2 and raises with 1. Optimizer parameters outside the model are
+num_steps_per_communication=2 and raises with 1; after such an error, remove_hooks() frees
+the parameters' names for a new wrapper. Optimizer parameters outside the model are
 stepped locally by every wrapper."""
 import torch
 
@@ -45,6 +46,25 @@ def refuses_a_second_pass(make, words):
         raise AssertionError(f"{make.__name__} accepted a second backward pass before step()")
     wrapped.synchronize()                 # the first pass's communication is in flight
     wrapped.remove_hooks()
+    # the same without synchronize(): remove_hooks() finishes the communication in flight,
+    # so that a new wrapper on the model can use the parameters' names
+    wrapped = make(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    try:
+        two_passes(model, wrapped)
+    except RuntimeError:
+        pass
+    wrapped.remove_hooks()
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    again = make(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((model, again), (ref, plain)):
+        o.zero_grad()
+        m(x1).pow(2).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):    # same data everywhere: W x = x
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    again.remove_hooks()
 
 
 accumulates_like_sgd(bf.DistributedAdaptWithCombineOptimizer)
