@@ -8,7 +8,7 @@ neighbor_allreduce (ENQUEUE_ on main; MPI_ with ALLOCATE_OUTPUT, COMMUNICATE,
 COMPUTE_AVERAGE on the communication thread), every agent with its own clock
 offset and jitter. Then runs each measurement in a fresh process, so that its
 peak resident memory (ru_maxrss) and CPU time are its own: importing
-bluefog_lite (which imports torch: the baseline of every bftimeline command),
+bluefog_lite.timeline (the baseline of every bftimeline command; it does not import torch),
 json.load of one file (the memory of "one file's events", for comparison),
 bftimeline summary, bftimeline merge without and with arrows. Prints one line
 per measurement.
@@ -81,7 +81,7 @@ def child(argv):
     """Run one measurement in this (fresh) process; print its wall time and peak RSS."""
     t0 = time.perf_counter()
     if argv[0] == "import":
-        from bluefog_lite.timeline.__main__ import main   # noqa: F401 (bluefog_lite imports torch)
+        from bluefog_lite.timeline.__main__ import main   # noqa: F401 (what every bftimeline command imports)
         what = "import bluefog_lite.timeline only (baseline)"
     elif argv[0] == "json.load":
         with open(argv[1]) as f:
