@@ -13,7 +13,6 @@ import re
 import threading
 
 import numpy as np
-import torch
 
 from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
 from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
