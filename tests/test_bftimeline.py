@@ -419,6 +419,9 @@ def test_merge_and_summary_of_a_crashed_run(tmp_path, capsys):
     assert agents[1]["unfinished_slices"] == 3
     assert agents[1]["time_ms"]["COMMUNICATE"] == pytest.approx((700 + 400) / 1000.0)
     assert "never ended" in out
+    # the straggler table says that a cut file's agent is missing from the later calls
+    assert "(ranked among the agents whose file records each call: rank 1 only up to where its file was cut)" \
+        in out, out
 
 
 # ---- bad input -----------------------------------------------------------------------------
@@ -489,6 +492,7 @@ def test_a_run_whose_agents_did_not_all_write_is_read_with_allow_missing(tmp_pat
 
     code, out, _ = cli(["summary", prefix, "--allow-missing", "--json", tmp_path / "s.json"], capsys)
     assert code == 0 and "without " + ", ".join(left_out) in out, out
+    assert "(ranked among the agents whose file records each call: not the agents of the 2 skipped files)" in out, out
     summary = load_json(tmp_path / "s.json")
     assert [a["rank"] for a in summary["agents"]] == [0, 2] and summary["skipped"] == left_out
     assert all(a["time_ms"]["COMMUNICATE"] == pytest.approx(0.7) for a in summary["agents"])

@@ -160,6 +160,11 @@ def format_summary(summary):
     lines.append("overlap % = time when communication (MPI_*) and compute (" + ", ".join(summary["compute"])
                  + ") ran at once / communication time")
     lines += [""] + _format_stragglers(summary["stragglers"])
+    partial = [f"rank {a['rank']}" for a in agents if a["unfinished_slices"]]
+    if summary["stragglers"]["operations"] and (summary.get("skipped") or partial):
+        without = [f"not the agents of the {len(summary['skipped'])} skipped files"] if summary.get("skipped") else []
+        cut = [", ".join(partial) + " only up to where its file was cut"] if partial else []
+        lines.append("(ranked among the agents whose file records each call: " + "; ".join(without + cut) + ")")
     return "\n".join(lines) + "\n"
 
 
