@@ -37,7 +37,8 @@ def main():
     for step in range(args.steps):
         if args.dynamic:
             send, recv = next(schedule)
-            x = bf.neighbor_allreduce(x, self_weight=0.5, src_weights={r: 0.5 for r in recv},
+            w = 1.0 / (len(recv) + 1)     # 1/2 with one peer; 1 alone (one agent receives nothing)
+            x = bf.neighbor_allreduce(x, self_weight=w, src_weights={r: w for r in recv},
                                       dst_weights=send, name="x")
         else:
             x = bf.neighbor_allreduce(x, name="x")

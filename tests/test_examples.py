@@ -96,6 +96,15 @@ def test_dynamic_one_peer_consensus_is_exact_after_log2_n_steps(sequence):
     assert printed < 1e-10
 
 
+def test_dynamic_consensus_of_one_agent_keeps_its_vector(tmp_path):
+    """One agent has no peer in the one-peer schedule: its weights are 1 and 0 peers,
+    so x stays (the average of one vector); it used to halve every step."""
+    code, out = run_agents(1, os.path.join(REPO, "examples", "average_consensus.py"), "--dynamic", "--steps", "4",
+                           "--dim", "1000", "--save", tmp_path / "x.npy", expect_ok=False)
+    assert code == 0, out
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), consensus_start()[:1])
+
+
 def test_asynchronous_push_sum_keeps_the_mass_and_reaches_the_average(sequence):
     """Asynchronous (agents at different speeds): the accuracy of x/p varies from run
     to run, 1e-9 .. 4e-5 relative in our short runs (it starts at about 1). What does
