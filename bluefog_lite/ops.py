@@ -447,7 +447,12 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, neighb
         src_machine_weights, dst_machine_weights, neighbor_machine_weights, send_neighbor_machines)
     st = state()
     if not st.homogeneous:      # the same on every agent
-        raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine")
+        sizes = collections.Counter(m for m, _ in st.rank_of)
+        emulated = (f" (BLUEFOG_RANKS_PER_MACHINE={os.environ['BLUEFOG_RANKS_PER_MACHINE']} with "
+                    f"{st.size} agents)" if os.environ.get("BLUEFOG_RANKS_PER_MACHINE") else "")
+        raise ValueError("hierarchical_neighbor_allreduce needs the same number of agents on every machine; "
+                         "agents per machine: " + ", ".join(f"machine {m}: {n}" for m, n in sorted(sizes.items()))
+                         + emulated)
     to_rank = lambda m: st.rank_of[(m, st.local_rank)]  # noqa: E731
     try:
         _untainted(st, name)

@@ -19,6 +19,10 @@ def test_hierarchical_with_emulated_machines(n, per):
     run_agents(n, "ops_hierarchical.py", timeout=120, env={"BLUEFOG_RANKS_PER_MACHINE": str(per)})
 
 
+def test_uneven_emulated_machines_refuse_hierarchical_naming_the_layout():
+    run_agents(3, "ops_uneven_machines.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
 def test_fusion_small_ops_share_messages():
     run_agents(4, "ops_fusion.py", timeout=120)
 
