@@ -156,12 +156,19 @@ def _pickled_state(optimizer):
     try:
         return pickle.dumps(sd, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        entries = [(f"param_groups[{g}][{k!r}]", v) for g, group in enumerate(sd.get("param_groups", []))
-                   for k, v in group.items()]
-        entries += [(f"state[{i!r}][{k!r}]", v) for i, s in sd.get("state", {}).items() for k, v in s.items()]
-        where = next((w for w, v in entries if not _picklable(v)), "an entry of its state_dict()")
+        where = next((w for w, v in _entries(sd) if not _picklable(v)), "an entry of its state_dict()")
         raise TypeError(f"broadcast_optimizer_state: the root's optimizer state cannot be sent: {where} "
                         f"cannot be pickled ({type(exc).__name__}: {exc})") from None
+
+
+def _entries(sd):
+    """(where, value) of a torch state_dict's hyper-parameters and per-parameter state."""
+    try:
+        yield from ((f"param_groups[{g}][{k!r}]", v) for g, group in enumerate(sd["param_groups"])
+                    for k, v in group.items())
+        yield from ((f"state[{i!r}][{k!r}]", v) for i, s in sd["state"].items() for k, v in s.items())
+    except (KeyError, TypeError, AttributeError):     # not laid out as torch's
+        return
 
 
 def _picklable(value):
