@@ -222,6 +222,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps = 0
         self._skip_sync = False
         self._rest_started = False  # _launch_rest has run in this step
+        self._synced = False        # synchronize() finished the round; nothing started since
         self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
         # per-step knobs for dynamic topologies (read when communication launches)
@@ -273,6 +274,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             hook(self)
 
     def zero_grad(self, set_to_none=True):
+        self._synced = False        # a new pass (even one that starts nothing)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group):
@@ -296,9 +298,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for ref in list(_wrapper_of.values()):
                 other = ref()
                 if other is not None and other is not self and other._hooks and name in other._param_of:
+                    same = self._prefix and other._prefix == self._prefix
+                    fix = (f"give them different name_prefix values (both have {self._prefix[:-1]!r}), or call "
+                           "remove_hooks() on the one no longer used" if same else
+                           "give one of them a name_prefix (e.g. name_prefix='D')")
                     raise ValueError(f"{exc}. The model of another {type(other).__name__} has a parameter "
-                                     f"named {name!r} too, and both wrappers communicate under that name: give "
-                                     "one of them a name_prefix (e.g. name_prefix='D')") from None
+                                     f"named {name!r} too, and both wrappers communicate under that name: "
+                                     + fix) from None
             raise
 
     def _check_no_pending(self, name):
@@ -319,9 +325,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self):
         """Start what the pass did not (its unused parameters), wait for all
-        communication of this step and install the results."""
+        communication of this step and install the results. That ends the round:
+        whether or not step() follows (a gradient scaler skips it when gradients
+        overflow), the next pass starts the next one. Nothing started since the last
+        synchronize() (step() after it without skip_synchronize()): does nothing."""
+        if self._synced:
+            return
         self._rest_once()
         self._all_handles(lambda p, handle: self._apply(p, self._wait(handle)))
+        self._end_round()
+
+    def _end_round(self):
+        """After this round's communication: the next pass starts a new one."""
+        self._rest_started = False
+        if self._in_order is not None:
+            self._in_order.new_round()
+        self._synced = True
+
+    def _started(self, name, p, handle):
+        """Keep a handle of this round (something new to synchronize)."""
+        self._handles[name] = (p, handle)
+        self._synced = False
 
     def _all_handles(self, finish):
         """finish(p, handle) for every handle of this step (ops._finish_all); after an
@@ -339,10 +363,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _step_synchronize(self):
         """step()'s synchronize; inside skip_synchronize() the caller has synchronized
         already (which started the rest), or must: only the rest is started then."""
-        if self._skip_sync:
-            self._rest_once()
-        else:
+        if not self._skip_sync:
             self.synchronize()
+        elif not self._synced:
+            self._rest_once()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -361,6 +385,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rest_started = False
         if self._in_order is not None:
             self._in_order.new_round()
+        self._synced = False
         self._steps += 1
         _timeline.step()
         thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
@@ -472,7 +497,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
                     name=name)
             else:
                 h = ops.allreduce_nonblocking(x, average=True, name=name)
-        self._handles[name] = (p, h)
+        self._started(name, p, h)
 
     def _launch_rest(self):
         """Communicate parameters whose hook did not fire (unused in this pass), in a fixed order."""
@@ -578,6 +603,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
 
     def _grad_hook(self, name, group):
         def hook(p):
+            self._synced = False
             if name in self._updated:
                 # The first gradient has been applied and sent already: the sum of
                 # several passes cannot be, and silently dropping one would be wrong.
@@ -616,6 +642,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                                      self.optimizer.state[p])
                     self._updated.add(name)
         super()._launch_rest()
+
+    def _end_round(self):
+        super()._end_round()
+        self._updated.clear()
 
     def step(self, closure=None):
         if self._hooks is None:
@@ -661,6 +691,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def _grad_hook(self, name):
         def hook(p):
+            self._synced = False
             n, k = self._passes.get(name, 0) + 1, self.num_steps_per_communication
             if n > k:
                 # The average of the first k passes is in flight: this gradient (already
@@ -687,10 +718,28 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                             "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, WinPut)")
         with self._named_after(name):
             h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
-        self._handles[name] = (p, h)
+        self._started(name, p, h)
 
     def _launch_rest(self):
         self._in_order.finish(self._param_of)
+
+    def _end_round(self):
+        super()._end_round()
+        self._passes.clear()
+
+    def zero_grad(self, set_to_none=True):
+        """Gradients of a pass whose average is in flight (zero_grad() after backward()
+        without step(): a skipped batch, or a GAN's generator pass through this model):
+        the averages are waited for and dropped, and the next pass starts afresh."""
+        if self._handles or self._passes:
+            try:
+                self._all_handles(lambda p, handle: self._wait(handle))
+            finally:
+                self._passes.clear()
+                self._filled.clear()
+                self._rest_started = False
+                self._in_order.new_round()
+        super().zero_grad(set_to_none)
 
     def _apply(self, p, result):
         if id(p) in self._filled:
@@ -726,7 +775,6 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication)
         self.window_prefix = self._prefix       # Bluefog's attribute: what the window names start with
         self.force_barrier = False              # Bluefog's knob: step() starts with bf.barrier()
-        self._synchronized = False              # this step's combination is done
         for name, p in self._named:
             windows.win_create(p.detach(), self._prefix + name)
         self._count_forwards()
@@ -735,13 +783,15 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
     def _put(self, name, p):
         self._check_no_pending(name)
         h = windows.win_put_nonblocking(p.detach(), self._prefix + name, dst_weights=self.dst_weights)
-        self._handles[name] = (p, h)
+        self._started(name, p, h)
 
     def synchronize(self):
-        """Finish this step's puts and combine what has arrived; once per step (a second
-        call, e.g. step() after synchronize() without skip_synchronize(), does nothing)."""
-        if self._synchronized:
+        """Finish this round's puts and combine what has arrived; once per round (a
+        second call, e.g. step() after synchronize() without skip_synchronize(), does
+        nothing until the next pass)."""
+        if self._synced:
             return
+        self._check_memory()
         for name, p in self._named:
             if name not in self._handles and name not in self._launched:
                 self._put(name, p)
@@ -753,7 +803,21 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             else:
                 windows.win_update(self._prefix + name, self_weight=self.self_weight,
                                    neighbor_weights=self.src_weights)
-        self._synchronized = True
+        self._end_round()
+
+    def _check_memory(self):
+        """Each window combines into the parameter's memory as it was at creation: a
+        model moved or converted since (model.to(memory_format=...)) would never see
+        the combination."""
+        for name, p in self._named:
+            win = windows._window(self._prefix + name, "synchronize")[1]
+            held = win.tensor if win.device_tensor is None else win.device_tensor
+            if held.data_ptr() != p.data_ptr():
+                raise RuntimeError(
+                    f"parameter {name!r} is no longer in the memory its window {self._prefix + name!r} was "
+                    f"created on (the model was moved or converted after {type(self).__name__} was created, e.g. "
+                    "model.to(memory_format=...) or vector_to_parameters): the combination would not reach the "
+                    "model. Create the wrapper after moving the model")
 
     def step(self, closure=None):
         if self.force_barrier:
@@ -765,7 +829,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
                 self.synchronize()
             self.optimizer.step()
         finally:
-            self._synchronized = False     # (also after an error: the next step combines)
+            self._synced = False     # (also after an error: the next step combines)
         self._count_step(communicating)
         self._finish_step()
         return loss

@@ -116,6 +116,14 @@ def test_a_wrapper_whose_step_failed_works_again_from_the_next_step(wrapper):
     run_agents(4, "opt_recover.py", wrapper, timeout=120)
 
 
+def test_synchronize_ends_the_round_when_step_is_skipped():
+    """A gradient scaler's pattern (synchronize(), then step() skipped on overflow), on
+    every agent or one: each wrapper goes on like a plain-torch simulation of the agents;
+    gradient allreduce's zero_grad() without step() drops that pass's averages
+    (tests/workers/opt_skipped_step.py)."""
+    run_agents(4, "opt_skipped_step.py", timeout=150)
+
+
 def test_two_backward_passes_before_step():
     """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
     Also: an optimizer parameter outside the model is stepped like torch.optim does."""

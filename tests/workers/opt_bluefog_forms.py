@@ -9,6 +9,7 @@ torch.optim itself:
   its step() came first;
 - WinPut: synchronize() then step() combines once; force_barrier, window_prefix,
   unregister_window();
+- WinPut refuses to combine into memory the model no longer uses (moved after wrapping);
 - state-dict hooks registered on a wrapper run (torch.optim.Optimizer's contract);
 - turn_off_timeline()/turn_on_timeline(): FORWARD spans only while on."""
 import copy
@@ -144,6 +145,21 @@ for s in range(1, 4):
         model(x).sum().backward()
     win.step()
     assert torch.allclose(params(model), 0.5 ** s * start), (s, params(model), 0.5 ** s * start)
+win.free_windows()
+win.remove_hooks()
+
+# WinPut: a model moved to other memory after wrapping (channels_last) is named at the
+# combination instead of silently never receiving it
+conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+win = bf.DistributedWinPutOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), conv, window_prefix="moved")
+conv.to(memory_format=torch.channels_last)
+conv(torch.ones(1, 3, 5, 5)).sum().backward()
+try:
+    win.step()
+except RuntimeError as e:
+    assert "parameter '0.weight' is no longer in the memory its window 'moved.0.weight' was created on" in str(e), e
+else:
+    raise AssertionError("a window on the parameter's old memory went unnoticed")
 win.free_windows()
 win.remove_hooks()
 

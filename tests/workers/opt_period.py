@@ -167,13 +167,13 @@ opt.remove_hooks()
 # 4. Two wrapped models with parameters of the same names (a GAN's two nn.Sequential): with
 #    both forwards before the steps, the second refuses and says why; with a name_prefix on
 #    one of them both are averaged (lr 0: each parameter becomes W x0 after one step)
-def pair(prefix=None):
+def pair(first=None, second=None):
     models = [torch.nn.Sequential(torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)) for _ in range(2)]
     for k, m in enumerate(models):
         with torch.no_grad():
             m[0].weight.copy_(torch.from_numpy(x0[r] * (k + 1)).view(1, 2))
     opts = [bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m,
-                                                    name_prefix=prefix if k else None)
+                                                    name_prefix=(first, second)[k])
             for k, m in enumerate(models)]
     return models, opts
 
@@ -185,12 +185,21 @@ try:
     raise AssertionError("two wrappers communicating under one name went unnoticed")
 except ValueError as exc:
     assert "another DistributedAdaptWithCombineOptimizer has a parameter named '0.weight'" in str(exc), exc
-    assert "name_prefix" in str(exc), exc
+    assert "give one of them a name_prefix" in str(exc), exc
 opts[0].step()
 for o in opts:
     o.synchronize()
     o.remove_hooks()
-models, opts = pair("D")
+models, opts = pair("D", "D")          # the same prefix on both: the hint says so
+models[0](data).sum().backward()
+try:
+    models[1](data).sum().backward()
+    raise AssertionError("two wrappers communicating under one name went unnoticed")
+except ValueError as exc:
+    assert "give them different name_prefix values (both have 'D'), or call remove_hooks()" in str(exc), exc
+for o in opts:
+    o.remove_hooks()
+models, opts = pair(None, "D")
 for m in models:
     m.zero_grad()
     m(data).sum().backward()

@@ -1,0 +1,115 @@
+"""synchronize() ends a round even when step() does not follow (a gradient scaler skips
+step() when gradients overflow: opt.synchronize(); with opt.skip_synchronize():
+scaler.step(opt)). Each wrapper trains 4 steps, step 1 skipped on the agents in SKIP
+(all of them, or rank 0 alone), against a plain-torch simulation of the 4 agents with
+the mixing matrix: AWC x <- W x, then the step unless skipped; ATC x <- W (x - lr g)
+(its step ran in the gradient hooks); gradient allreduce: the average gradient, then
+the step unless skipped; WinPut as AWC (every put landed before anyone combines).
+Also: gradient allreduce's zero_grad() after backward() without step() (a skipped
+batch, or a GAN's generator pass through the model) drops that pass's averages."""
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+W = topology.mixing_matrix(bf.load_topology())      # W[j, i]: the weight of edge j -> i (j's for agent i)
+STEPS, SKIPPED_STEP, LR = 4, 1, 0.1
+
+
+def data(r, s):
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(r * 1000 + s))
+
+
+def make():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().numpy()
+
+
+def simulate(kind, skip):
+    models = [make() for _ in range(size)]
+    for s in range(STEPS):
+        grads = []
+        for r, m in enumerate(models):
+            m.zero_grad()
+            m(data(r, s)).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        params = [[p.detach().clone() for p in m.parameters()] for m in models]
+        stepping = [not (s == SKIPPED_STEP and r in skip) for r in range(size)]
+        for r, m in enumerate(models):
+            with torch.no_grad():
+                for i, p in enumerate(m.parameters()):
+                    if kind == "gar":
+                        g = sum(grads[j][i] for j in range(size)) / size
+                        p.copy_(params[r][i] - LR * g if stepping[r] else params[r][i])
+                    elif kind == "atc":
+                        p.copy_(sum(W[j, r] * (params[j][i] - LR * grads[j][i]) for j in range(size)))
+                    else:       # awc, winput
+                        mixed = sum(W[j, r] * params[j][i] for j in range(size))
+                        p.copy_(mixed - LR * grads[r][i] if stepping[r] else mixed)
+    return flat(models[rank])
+
+
+def train(kind, skip):
+    model = make()
+    base = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = {"awc": bf.DistributedAdaptWithCombineOptimizer, "atc": bf.DistributedAdaptThenCombineOptimizer,
+           "gar": bf.DistributedGradientAllreduceOptimizer, "winput": bf.DistributedWinPutOptimizer}[kind](base, model)
+    for s in range(STEPS):
+        opt.zero_grad()
+        model(data(rank, s)).pow(2).mean().backward()
+        if kind == "winput":
+            for _, h in list(opt._handles.values()):    # every put has landed before anyone combines
+                bf.win_wait(h)
+            opt._handles.clear()
+            bf.barrier()
+        opt.synchronize()
+        if not (s == SKIPPED_STEP and rank in skip):
+            with opt.skip_synchronize():
+                opt.step()
+        if kind == "winput":
+            bf.barrier()
+    opt.remove_hooks()
+    if kind == "winput":
+        opt.free_windows()
+    return flat(model)
+
+
+for kind in ("awc", "atc", "gar", "winput"):
+    for skip in (range(size), [0]):
+        got, want = train(kind, set(skip)), simulate(kind, set(skip))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{kind}, step skipped on {list(skip)}")
+
+# gradient allreduce: zero_grad() after backward() without step() drops that pass
+model = make()
+opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model)
+ref = [make() for _ in range(size)]
+for s in range(3):
+    opt.zero_grad()
+    model(data(rank, s)).pow(2).mean().backward()
+    if s == 0:
+        continue                    # a skipped batch: the next zero_grad() drops its averages
+    opt.step()
+opt.zero_grad()
+model(data(rank, 3)).pow(2).mean().backward()
+opt.zero_grad()                     # then nothing to step
+opt.step()
+for s in (1, 2):
+    for r, m in enumerate(ref):
+        m.zero_grad()
+        m(data(r, s)).pow(2).mean().backward()
+    with torch.no_grad():
+        for ps in zip(*(m.parameters() for m in ref)):
+            g = sum(p.grad for p in ps) / size
+            for p in ps:
+                p.sub_(LR * g)
+np.testing.assert_allclose(flat(model), flat(ref[rank]), rtol=1e-5, atol=1e-6)
+opt.remove_hooks()
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
