@@ -46,6 +46,7 @@ class _State:
         self.local_ranks = [0]         # ranks on this machine
         self.windows = {}         # name -> window object (filled by windows.py)
         self.departures = None    # Departures: which agents have shut down
+        self.hooks_before = (sys.__excepthook__, threading.__excepthook__)   # the user's, while initialized
         self.clock_offset_us = 0.0
 
 
@@ -131,8 +132,8 @@ def init(topology_fn=None, is_weighted=False):
     Every agent must get the same graph (checked: ValueError on every agent if not).
     """
     from . import _engine
-    _check_is_weighted(is_weighted)
     if _state.initialized:
+        _check_is_weighted(is_weighted)
         if topology_fn is not None or is_weighted:
             warnings.warn("bf.init() called again while initialized: it does nothing, and its topology_fn/"
                           "is_weighted are ignored; change the topology with bf.set_topology(...)",
@@ -144,6 +145,8 @@ def init(topology_fn=None, is_weighted=False):
     _state.rank, _state.size = comm.rank, comm.size
     # From here on an uncaught error on one agent (a bad topology_fn, a bad
     # timeline prefix...) takes the job down instead of leaving the others in init.
+    if sys.excepthook is not _abort_on_uncaught:    # (restored by shutdown)
+        _state.hooks_before = (sys.excepthook, threading.excepthook)
     sys.excepthook = _abort_on_uncaught
     threading.excepthook = _thread_excepthook
     _state.comm = comm
@@ -166,16 +169,30 @@ def init(topology_fn=None, is_weighted=False):
 
 
 def _initial_topology(topology_fn, is_weighted, comm):
-    """topology_fn(size), validated, and the same graph on every agent (collective)."""
-    if topology_fn is None:
-        return _topo.ExponentialGraph(comm.size)
-    if not callable(topology_fn):
-        raise TypeError(f"topology_fn must be a callable size -> networkx.DiGraph, got {topology_fn!r}")
-    G = _validate_graph(topology_fn(comm.size), comm.size, "init: the graph returned by topology_fn",
-                        is_weighted)
-    _same_everywhere("init", comm.allgather(_fingerprint(G, is_weighted)),
-                     "topology_fn returned different graphs on different agents; it must give every agent "
-                     "the same graph")
+    """topology_fn(size), validated, and the same graph on every agent (collective).
+    An agent whose arguments fail (or whose topology_fn raises) still joins the
+    exchange, so that every agent raises instead of the others waiting for it."""
+    error = None
+    try:
+        _check_is_weighted(is_weighted)
+        if topology_fn is None:
+            G = _topo.ExponentialGraph(comm.size)
+        elif not callable(topology_fn):
+            raise TypeError(f"topology_fn must be a callable size -> networkx.DiGraph, got {topology_fn!r}")
+        else:
+            G = _validate_graph(topology_fn(comm.size), comm.size, "init: the graph returned by topology_fn",
+                                is_weighted)
+        mine = _fingerprint(G, is_weighted)
+    except Exception as exc:
+        error, mine = exc, (None, f"{type(exc).__name__}: {exc}")
+    views = comm.allgather(mine)
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {text}" for r, (flag, text) in enumerate(views) if flag is None]
+    if failed:
+        raise ValueError("init failed on every agent because of bad input (" + "; ".join(failed) + ")")
+    _same_everywhere("init", views, "topology_fn returned different graphs on different agents; it must give "
+                     "every agent the same graph")
     return G
 
 
@@ -210,8 +227,7 @@ def shutdown():
     _state.comm = None
     _state.initialized = False
     _state.shut_down = True
-    sys.excepthook = sys.__excepthook__
-    threading.excepthook = threading.__excepthook__
+    sys.excepthook, threading.excepthook = _state.hooks_before
 
 
 _SETTLE_MAX_S = 60.0

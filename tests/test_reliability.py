@@ -112,6 +112,15 @@ def test_init_with_a_bad_topology_fn_fails_on_every_agent(cases):
     raised(cases, "init.topology_fn_differs", "ValueError", "different graphs on different agents")
     raised(cases, "init.is_weighted_differs", "ValueError", "init: agents passed different is_weighted",
            "rank 2: True")
+    raised(cases, "init.one_agent_bad_graph", "ValueError", "init: the graph returned by topology_fn must have "
+           "nodes 0..3", ranks=[1])
+    raised(cases, "init.one_agent_bad_graph", "ValueError", "init failed on every agent because of bad input "
+           "(rank 1: ValueError: init: the graph returned by topology_fn", ranks=[0, 2, 3])
+    raised(cases, "init.one_agent_fn_raises", "ZeroDivisionError", "", ranks=[2])
+    raised(cases, "init.one_agent_fn_raises", "ValueError", "(rank 2: ZeroDivisionError: ", ranks=[0, 1, 3])
+    raised(cases, "init.one_agent_bad_is_weighted", "TypeError", "is_weighted must be True or False, got 'yes'",
+           ranks=[3])
+    raised(cases, "init.one_agent_bad_is_weighted", "ValueError", "(rank 3: TypeError: is_weighted", ranks=[0, 1, 2])
     raised(cases, "init.after_failed_init", "BluefogError", "not initialized")   # and init() works after
 
 

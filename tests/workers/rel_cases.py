@@ -107,6 +107,11 @@ attempt("init.topology_fn_not_callable", bf.init, topology_fn=topo.RingGraph(SIZ
 attempt("init.topology_fn_differs", bf.init,
         topology_fn=lambda n: topo.StarGraph(n) if RANK == 1 else topo.RingGraph(n))
 attempt("init.is_weighted_differs", bf.init, topology_fn=topo.StarGraph, is_weighted=RANK == 2)
+# bad input on one agent only (the error caught there): every agent raises, none waits
+attempt("init.one_agent_bad_graph", bf.init,
+        topology_fn=lambda n: topo.RingGraph(n + 1) if RANK == 1 else topo.RingGraph(n))
+attempt("init.one_agent_fn_raises", bf.init, topology_fn=lambda n: 1 // (RANK - 2) and topo.RingGraph(n))
+attempt("init.one_agent_bad_is_weighted", bf.init, is_weighted="yes" if RANK == 3 else False)
 attempt("init.after_failed_init", bf.rank)
 bf.init()
 assert (bf.rank(), bf.size()) == (RANK, SIZE) and SIZE == 4

@@ -1,4 +1,6 @@
 """One agent: every neighbor op is a well-defined no-op (self-weighted), nothing divides by zero."""
+import sys
+
 import torch
 
 import bluefog_lite as bf
@@ -19,7 +21,14 @@ try:
 except ValueError as e:      # what Bluefog raised: scripts may catch it
     assert "bf.init()" in str(e)
 
+
+def own_hook(*args):        # the program's own excepthook: shutdown() gives it back
+    return sys.__excepthook__(*args)
+
+
+sys.excepthook = own_hook
 bf.init()
+assert sys.excepthook is not own_hook       # (an uncaught error ends the whole job while initialized)
 assert (bf.rank(), bf.size(), bf.local_rank(), bf.local_size(), bf.machine_size()) == (0, 1, 0, 1, 1)
 assert bf.in_neighbor_ranks() == [] and bf.out_neighbor_ranks() == []
 x = torch.arange(4, dtype=torch.float32)
@@ -40,6 +49,7 @@ bf.suspend()
 bf.resume()
 assert torch.equal(bf.allreduce(x), x)
 bf.shutdown()
+assert sys.excepthook is own_hook, sys.excepthook
 try:
     bf.allreduce(x)
     raise AssertionError("an op after shutdown() must raise")
