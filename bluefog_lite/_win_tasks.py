@@ -154,6 +154,8 @@ def in_order(win, ticket, task):
     try:
         while win.serving != ticket:
             yield Sleep(5e-5, f"earlier operations of this agent on window {win.name!r}")
+        if win.win is None:     # (another thread's win_free ran first)
+            raise ValueError(f"window {win.name!r} was freed (win_free) before this operation on it ran")
         return (yield from task)
     finally:
         win.finish(ticket)

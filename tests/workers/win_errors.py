@@ -1,6 +1,7 @@
 """Bad input to window operations: a clear error on every agent that can know it,
 no hang when only one agent passes bad input to a collective, the engine still
-usable afterwards; set_topology refuses while windows exist; shutdown frees
+usable afterwards; an operation racing win_free on another thread raises clearly;
+set_topology refuses while windows exist; shutdown frees
 windows that are left."""
 import sys
 import warnings
@@ -120,6 +121,44 @@ assert any("refused" in str(w.message) for w in caught)
 bf.win_free()
 assert bf.get_current_created_window_names() == []
 assert bf.set_topology(topo.RingGraph(size)) is True
+
+# -- a window freed while another thread still uses it: that thread's next operation on it
+#    raises a clear error (it found MPI's window gone: internal TypeError/AttributeError before)
+import threading  # noqa: E402
+import time  # noqa: E402
+
+bf.win_create(torch.zeros(1000), "raced")
+errors = []
+
+
+def user(kind):
+    x = torch.ones(1000)
+    while True:
+        try:
+            if kind == "put":
+                bf.win_wait(bf.win_put_nonblocking(x, "raced"))
+            elif kind == "update":
+                bf.win_update("raced")
+            else:
+                bf.get_win_version("raced")
+        except Exception as e:      # what is raised is the point
+            errors.append((kind, type(e).__name__, str(e)))
+            return
+        time.sleep(0.001)
+
+
+users = [threading.Thread(target=user, args=(k,)) for k in ("put", "update", "version")]
+for t in users:
+    t.start()
+time.sleep(0.2)
+bf.barrier()
+bf.win_free("raced")
+for t in users:
+    t.join()
+expected = ("window 'raced' was freed (win_free) before this operation on it ran", "no window named 'raced'",
+            "get_win_version: window 'raced' is being freed (win_free)")
+assert len(errors) == 3 and all(exc == "ValueError" and any(w in text for w in expected)
+                                for _, exc, text in errors), errors
 
 # -- shutdown frees the windows that are left --------------------------------------------------------
 bf.win_create(torch.ones(4), "left.open")
