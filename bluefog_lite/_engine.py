@@ -59,13 +59,33 @@ def _env_float(name, default, infinite_ok=False):
 
 
 def _env_int(name, default):
+    """A number of bytes from the environment: an integer >= 0."""
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer number of bytes, got {raw!r}") from None
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a number of bytes (an integer >= 0), got {raw!r}")
+    return value
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_flag(name, default, empty):
+    """A switch from the environment: 1/0 (true/false, yes/no, on/off); empty: ``empty``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if not value:
+        return empty
+    if value not in _ON + _OFF:
+        raise ValueError(f"{name} must be 1 or 0 (on or off), got {raw!r}")
+    return value in _ON
 
 
 _yield = os.sched_yield
@@ -133,14 +153,13 @@ class Engine(CallerDrive, StallInspector):
     def __init__(self, comm, rank, size):
         self.comm, self.rank, self.size = comm, rank, size
         threshold = _env_int("BLUEFOG_FUSION_THRESHOLD", 8 * 1024 * 1024)
-        if threshold < 0:
-            raise ValueError(f"BLUEFOG_FUSION_THRESHOLD must be >= 0, got {threshold}")
+        caller_progress = _env_flag("BLUEFOG_CALLER_PROGRESS", True, empty=False)   # (read before any set-up)
         inline = min(threshold, _env_int("BLUEFOG_INLINE_LIMIT", 64 * 1024))
         self.pool = BufferPool(_env_int("BLUEFOG_BUFFER_POOL_BYTES", 256 * 1024 * 1024))
         self.stream = StreamEndpoint(comm, threshold, inline, self.pool)
         self.stall_warning_s = _env_float("BLUEFOG_STALL_WARNING_S", 60.0, infinite_ok=True)
         self.op_timeout_s = _env_float("BLUEFOG_OP_TIMEOUT_S", 0.0, infinite_ok=True)
-        self.mark_cycles_env = os.environ.get("BLUEFOG_TIMELINE_MARK_CYCLES", "") not in ("", "0")
+        self.mark_cycles_env = _env_flag("BLUEFOG_TIMELINE_MARK_CYCLES", False, empty=False)
         self.mark_cycles = self.mark_cycles_env     # timeline_start(mark_cycles=...) sets it per file
         self.yield_window_s = _env_float("BLUEFOG_YIELD_WINDOW_S", 3e-4)
         self.transfer_window_s = _env_float("BLUEFOG_TRANSFER_WINDOW_S", 3e-3)
@@ -175,8 +194,7 @@ class Engine(CallerDrive, StallInspector):
         self.driven_by_callers = 0     # blocking operations whose caller ran the loop
         self.doorbell = Doorbell(comm)
         # blocking calls may run on their caller (needs a bell: the thread must sleep on it)
-        self.caller_progress = (os.environ.get("BLUEFOG_CALLER_PROGRESS", "1").strip() not in ("0", "")
-                                and self.doorbell.sock is not None)
+        self.caller_progress = caller_progress and self.doorbell.sock is not None
         self._caller_status = MPI.Status()   # for the thread holding the drive lock, if not the loop's
         self._thread = threading.Thread(target=self._run, name="bluefog-communication", daemon=True)
         self._thread.start()

@@ -3,6 +3,8 @@ import re
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from bluefog_lite._stalls import StallInspector
 from bluefog_lite._waits import Recv, Requests, Sleep, Turn
 from mpi_helpers import run_agents
@@ -146,3 +148,38 @@ def test_a_busy_poll_loop_lets_the_communication_thread_run():
 
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
+
+
+def test_byte_and_switch_variables_are_checked(monkeypatch):
+    """Numbers of bytes are integers >= 0; switches 1/0 (true/false, yes/no, on/off,
+    any case), empty as documented; anything else names the variable."""
+    from bluefog_lite._engine import _env_flag, _env_int
+    for raw, want in (("0", 0), ("65536", 65536), ("", 7)):
+        monkeypatch.setenv("BLUEFOG_INLINE_LIMIT", raw)
+        assert _env_int("BLUEFOG_INLINE_LIMIT", 7) == want
+    for raw in ("-1", "1.5", "lots"):
+        monkeypatch.setenv("BLUEFOG_INLINE_LIMIT", raw)
+        with pytest.raises(ValueError, match=f"BLUEFOG_INLINE_LIMIT must be a number of bytes "
+                                             rf"\(an integer >= 0\), got '{raw}'"):
+            _env_int("BLUEFOG_INLINE_LIMIT", 7)
+    for raw, want in (("1", True), ("On", True), ("yes", True), ("0", False), ("false", False), (" off ", False),
+                      ("", False)):
+        monkeypatch.setenv("BLUEFOG_CALLER_PROGRESS", raw)
+        assert _env_flag("BLUEFOG_CALLER_PROGRESS", True, empty=False) is want, raw
+    monkeypatch.delenv("BLUEFOG_CALLER_PROGRESS")
+    assert _env_flag("BLUEFOG_CALLER_PROGRESS", True, empty=False) is True
+    for raw in ("2", "abc"):
+        monkeypatch.setenv("BLUEFOG_CALLER_PROGRESS", raw)
+        with pytest.raises(ValueError, match=rf"BLUEFOG_CALLER_PROGRESS must be 1 or 0 \(on or off\), got '{raw}'"):
+            _env_flag("BLUEFOG_CALLER_PROGRESS", True, empty=False)
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("BLUEFOG_CALLER_PROGRESS", "false-ish", "BLUEFOG_CALLER_PROGRESS must be 1 or 0 (on or off), got 'false-ish'"),
+    ("BLUEFOG_TIMELINE_MARK_CYCLES", "2", "BLUEFOG_TIMELINE_MARK_CYCLES must be 1 or 0 (on or off), got '2'"),
+    ("BLUEFOG_BUFFER_POOL_BYTES", "-5", "BLUEFOG_BUFFER_POOL_BYTES must be a number of bytes (an integer >= 0)"),
+])
+def test_init_refuses_a_bad_setting(name, value, words):
+    rc, out = run_agents(1, "rel_init_fails.py", timeout=60, expect_ok=False, env={name: value})
+    assert rc != 0 and words in out and "PAST INIT" not in out, out[-3000:]
+
