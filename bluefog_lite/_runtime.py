@@ -141,6 +141,11 @@ def init(topology_fn=None, is_weighted=False):
         return
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        warnings.warn("MPI was initialized without MPI_THREAD_MULTIPLE (e.g. mpi4py.rc.thread_level set before "
+                      "importing MPI), but bluefog_lite calls MPI from its communication thread and the caller's: "
+                      "results are undefined; leave mpi4py's thread level at its default ('multiple')",
+                      RuntimeWarning, stacklevel=2)
     comm = MPI.COMM_WORLD.Dup()
     _state.rank, _state.size = comm.rank, comm.size
     # From here on an uncaught error on one agent (a bad topology_fn, a bad

@@ -183,3 +183,6 @@ def test_init_refuses_a_bad_setting(name, value, words):
     rc, out = run_agents(1, "rel_init_fails.py", timeout=60, expect_ok=False, env={name: value})
     assert rc != 0 and words in out and "PAST INIT" not in out, out[-3000:]
 
+
+def test_init_warns_when_mpi_runs_below_thread_multiple():
+    run_agents(1, "runtime_thread_level.py", timeout=60)
