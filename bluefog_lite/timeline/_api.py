@@ -13,8 +13,9 @@ def _check(value, what):
         raise TypeError(f"{what} must be a non-empty string, got {value!r}")
 
 
-# (tensor_name, thread ident) -> names of the activities timeline_start_activity opened
-# there and timeline_end_activity has not closed, innermost last
+# (tensor_name, thread ident) -> (name, recorder) of the activities timeline_start_activity
+# opened there and timeline_end_activity has not closed, innermost last (one opened in a
+# file that has since been closed was ended there)
 _open = {}
 
 
@@ -28,7 +29,7 @@ def timeline_start_activity(tensor_name, activity_name):
     tid = threading.get_ident()
     rec.know_thread(tid)
     rec.begin_scoped(tensor_name, activity_name, tid)
-    _open.setdefault((tensor_name, tid), []).append(activity_name)
+    _open.setdefault((tensor_name, tid), []).append((activity_name, rec))
     return True
 
 
@@ -36,16 +37,19 @@ def timeline_end_activity(tensor_name):
     """Close the innermost activity this thread opened on tensor_name's row with
     timeline_start_activity (never a span of the library's, such as an operation's
     ENQUEUE_ on that row). True if recorded; False with the timeline off or no such
-    activity open."""
+    activity open in the current file."""
     _check(tensor_name, "tensor_name")
     rec = _recorder.current
     if rec is None:
         return False
     tid = threading.get_ident()
-    names = _open.get((tensor_name, tid))
+    names = _open.get((tensor_name, tid), [])
+    while names and names[-1][1] is not rec:
+        names.pop()             # opened in a file closed since (it ended there)
     if not names:
+        _open.pop((tensor_name, tid), None)
         return False
-    activity = names.pop()
+    activity, _ = names.pop()
     if not names:
         del _open[(tensor_name, tid)]
     rec.end(tensor_name, tid, activity)

@@ -59,6 +59,7 @@ bf.neighbor_allreduce(x, name="after")
 assert bf.timeline_start_activity("u", "B") is False
 bf.timeline_stop()           # stopping twice is harmless
 bf.timeline_start(prefix + "again_")     # mark_cycles=False: this file has no cycle markers
+assert bf.timeline_end_activity("u") is False    # OPEN_AT_STOP ended with its own file
 try:                                     # a bad prefix: named, and the open file goes on
     bf.timeline_start("/no/such/dir/tl_")
     raise AssertionError("timeline_start into a missing directory was accepted")
