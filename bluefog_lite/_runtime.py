@@ -214,6 +214,7 @@ def shutdown():
         return
     from .timeline import _control
     from . import windows
+    _report_exception_in_flight()
     _settle(_state.engine)
     _state.departures.start_leaving()    # it calls nothing else now: whoever waits for it can stop
     try:
@@ -233,6 +234,19 @@ def shutdown():
     _state.initialized = False
     _state.shut_down = True
     sys.excepthook, threading.excepthook = _state.hooks_before
+
+
+def _report_exception_in_flight():
+    """shutdown() called while an exception propagates (try: ... finally: bf.shutdown())
+    or is being handled: print it now. shutdown waits for the other agents, and if they
+    end the job first (this agent left operations they wait for), Python never would."""
+    exc = sys.exc_info()[1]
+    if exc is None or isinstance(exc, SystemExit):
+        return
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"bluefog_lite: rank {_state.rank}: shutdown() called during this exception (printed now "
+                     f"in case the job ends before Python reports it):\n{text}")
+    sys.stderr.flush()
 
 
 _SETTLE_MAX_S = 60.0

@@ -287,11 +287,11 @@ class StallInspector:
             untaken.items(), key=repr)[:8]) + (" ..." if len(untaken) > 8 else "")
         sys.stderr.write(
             f"bluefog_lite WARNING (rank {self.rank}): at shutdown, data sent to this agent that no "
-            f"operation took: {listing}. Its senders and this agent disagreed about who receives what "
-            "(dynamic dst_weights that do not match the receivers' src_weights with enable_topo_check="
+            f"operation took: {listing}. Either this agent never made that call (it stopped early, or "
+            "failed or timed out elsewhere), or its senders and this agent disagreed about who receives "
+            "what (dynamic dst_weights that do not match the receivers' src_weights with enable_topo_check="
             "False, pair_gossip targets that do not pair up, a call in static mode on some agents and "
-            "dynamic on others), or this agent never made that call (it failed or timed out elsewhere); "
-            "a later operation of the same name would have taken it as its own\n")
+            "dynamic on others); a later operation of the same name would have taken it as its own\n")
         sys.stderr.flush()
 
     def _drop_stale(self, key):

@@ -72,3 +72,12 @@ def test_timing_variables_are_checked_and_inf_means_never(monkeypatch):
 def test_a_stall_warning_of_inf_shuts_down_cleanly():
     # the shutdown's wait for the communication thread took it as a timeout: OverflowError
     run_agents(3, "late_shutdown.py", timeout=60, env={"BLUEFOG_STALL_WARNING_S": "inf"})
+
+
+def test_an_exception_passing_through_shutdown_is_printed():
+    """try/finally: bf.shutdown() on the agent that raised; the others end the job."""
+    rc, out = run_agents(3, "leave_in_finally.py", timeout=60, expect_ok=False)
+    assert rc != 0 and "waits for rank 1, which has left the job" in out, out
+    assert "bluefog_lite: rank 1: shutdown() called during this exception" in out, out
+    assert "ValueError: bad batch on rank 1" in out, out
+
