@@ -180,6 +180,9 @@ class _ReadThrough:
             setattr(inner, self.name, value)
 
 
+_COUNTERS = "bluefog_lite"      # the wrappers' own entry in their state_dict
+
+
 def _returned(result, state_dict):
     """A state-dict hook's result: a new dict, or None for 'keep state_dict'."""
     return state_dict if result is None else result
@@ -256,12 +259,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     send_neighbor_machines = property(lambda self: self.dst_machine_weights,
                                       lambda self, v: setattr(self, "dst_machine_weights", v))
 
-    # The state is the wrapped optimizer's; hooks registered on the wrapper run around
-    # it as torch.optim.Optimizer runs them (a post or load-pre hook may return a new dict).
+    # The state is the wrapped optimizer's, plus (under _COUNTERS) where the wrapper
+    # stands in its communication period, so that a run resumed from a checkpoint
+    # communicates in the same steps (torch.optim ignores the key). Hooks registered on
+    # the wrapper run around it as torch.optim.Optimizer runs them (a post or load-pre
+    # hook may return a new dict).
     def state_dict(self):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state_dict = self.optimizer.state_dict()
+        state_dict = dict(self.optimizer.state_dict(), **{_COUNTERS: self._counters()})
         for hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = _returned(hook(self, state_dict), state_dict)
         return state_dict
@@ -269,9 +275,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = _returned(hook(self, state_dict), state_dict)
+        state_dict = dict(state_dict)
+        counters = state_dict.pop(_COUNTERS, None)
         self.optimizer.load_state_dict(state_dict)
+        if counters is not None:
+            self._restore_counters(counters)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _counters(self):
+        return {"steps": self._steps}
+
+    def _restore_counters(self, counters):
+        steps = counters.get("steps") if isinstance(counters, dict) else None
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"load_state_dict: {_COUNTERS!r} must hold the wrapper's step count, got {counters!r}")
+        self._steps = steps
 
     def zero_grad(self, set_to_none=True):
         self._synced = False        # a new pass (even one that starts nothing)
@@ -531,6 +550,20 @@ class _ForwardCounted:
         model) counts as one, so that it still communicates every k steps."""
         passes = max(self._forwards[:-1]) + (not self._forwards[-1])
         return self.num_steps_per_communication == 1 or passes >= self.num_steps_per_communication
+
+    def _counters(self):
+        return dict(super()._counters(), forwards=list(self._forwards))
+
+    def _restore_counters(self, counters):
+        super()._restore_counters(counters)
+        forwards = counters.get("forwards")
+        if (isinstance(forwards, list) and len(forwards) == len(self._forwards)
+                and all(isinstance(c, int) and c >= 0 for c in forwards)):
+            self._forwards[:] = forwards      # (the hooks hold this list)
+        elif forwards is not None:
+            raise ValueError(f"load_state_dict: {_COUNTERS!r} holds forward counts {forwards!r} for "
+                             f"{len(forwards) - 1 if isinstance(forwards, list) else '?'} model(s); this wrapper "
+                             f"has {len(self._forwards) - 1}")
 
     def _count_step(self, communicated):
         """At the end of step()."""

@@ -3,7 +3,9 @@
 1. num_steps_per_communication=k: steps k, 2k, ... communicate (local steps in
    between, none after the last communication of a run of a multiple of k steps).
    With lr=0 the local steps change nothing, so after step s every agent's
-   parameter is W^(s // k) x0 (W the Exp-2 mixing matrix), for AWC and ATC.
+   parameter is W^(s // k) x0 (W the Exp-2 mixing matrix), for AWC and ATC; also
+   when the run is resumed after step 4 from the wrapper's state_dict() by a new
+   wrapper (the state holds where the period stands).
 2. After load_state_dict (what broadcast_optimizer_state does on every agent but
    the root), ATC's steps use the loaded hyper-parameters and later changes to
    param_groups (a learning-rate schedule), not the ones it was created with. Every
@@ -13,6 +15,8 @@
    communicated).
 4. Two wrapped models whose parameters have the same names: name_prefix; or one wrapper
    over the list of both."""
+import io
+
 import numpy as np
 import torch
 
@@ -40,6 +44,13 @@ for name, wrapper in (("awc", bf.DistributedAdaptWithCombineOptimizer),
         got = model.weight.detach().numpy().ravel()
         assert np.allclose(got, want, rtol=1e-12, atol=1e-12), \
             f"rank {r}, {name}, after step {s} of k={K}: {got} != W^{s // K} x0 = {want}"
+        if s == 4:                  # a checkpoint, resumed by a new wrapper
+            saved = io.BytesIO()
+            torch.save(opt.state_dict(), saved)
+            opt.remove_hooks()
+            opt = wrapper(torch.optim.SGD(model.parameters(), lr=0.0), model, num_steps_per_communication=K)
+            saved.seek(0)
+            opt.load_state_dict(torch.load(saved))
     opt.remove_hooks()
 
 # 1b. AWC counts forward passes, as Bluefog: k passes per step (gradient accumulation)
