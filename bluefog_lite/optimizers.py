@@ -85,16 +85,17 @@ class _AfterForward(CopiedInert):
 
 class _CountForward(CopiedInert):
     """A model's forward pre-hook: count its training passes (grad enabled) since
-    the wrapper last communicated (see _ForwardCounted)."""
-    __slots__ = ("counts", "index")
+    the wrapper last communicated (see _ForwardCounted); each begins a new round."""
+    __slots__ = ("wrapper", "counts", "index")
 
-    def __init__(self, counts, index):
-        self.counts, self.index = counts, index
+    def __init__(self, wrapper, counts, index):
+        self.wrapper, self.counts, self.index = wrapper, counts, index
 
     def __call__(self, module, inputs):
         if module.training and torch.is_grad_enabled():
             self.counts[self.index] += 1
             self.counts[-1] += 1        # passes since the last step
+            self.wrapper._synced = False
 
 
 class _InOrder:
@@ -225,7 +226,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps = 0
         self._skip_sync = False
         self._rest_started = False  # _launch_rest has run in this step
-        self._synced = False        # synchronize() finished the round; nothing started since
+        self._synced = False        # synchronize() ended the round; no step() or new pass since
         self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
         # per-step knobs for dynamic topologies (read when communication launches)
@@ -355,11 +356,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._end_round()
 
     def _end_round(self):
-        """After this round's communication: the next pass starts a new one."""
+        """After this round's communication: the next pass starts a new one, one step
+        further in the communication period (also when step() does not follow)."""
         self._rest_started = False
         if self._in_order is not None:
             self._in_order.new_round()
         self._synced = True
+        self._advance_period()
+
+    def _advance_period(self):
+        """Once per round: one step more (num_steps_per_communication counts them)."""
+        self._steps += 1
+
+    def _drop_round(self):
+        """Finish this round's communication and drop its results (a pass not followed
+        by step()). Collectives started in the fixed order are all started first, so
+        that every agent makes the same calls whichever parameters its pass used."""
+        try:
+            if self._in_order is not None and (self._in_order.next or self._in_order.waiting):
+                self._in_order.finish(self._param_of)
+            self._all_handles(lambda p, handle: self._wait(handle))
+        finally:
+            self._rest_started = False
+            if self._in_order is not None:
+                self._in_order.new_round()
 
     def _started(self, name, p, handle):
         """Keep a handle of this round (something new to synchronize)."""
@@ -396,6 +416,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_sync = False
 
+    @contextlib.contextmanager
+    def _stepping(self):
+        """Around step()'s communication and update: after an error the next step
+        starts afresh (synchronizes, and moves the period on, again)."""
+        try:
+            yield
+        except BaseException:
+            self._synced = False
+            raise
+
     def _apply(self, p, result):
         with torch.no_grad():
             p.copy_(result)
@@ -404,8 +434,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rest_started = False
         if self._in_order is not None:
             self._in_order.new_round()
+        if not self._synced:        # (no synchronize() ended this step's round)
+            self._advance_period()
         self._synced = False
-        self._steps += 1
         _timeline.step()
         thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
         if thawed:
@@ -470,7 +501,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         not followed by step(), e.g. after an error) is waited for and its results
         dropped, so that its names are free for a new wrapper."""
         try:
-            self._all_handles(lambda p, handle: self._wait(handle))
+            self._drop_round()
         finally:
             for h in self._hooks or ():
                 h.remove()
@@ -493,6 +524,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
             self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass)
 
     def _launch(self, name, p):
+        self._synced = False        # a new round (even while the fixed order holds it back)
         if self._in_order is not None:
             self._in_order.ready(name, p)
         else:
@@ -543,7 +575,7 @@ class _ForwardCounted:
     def _count_forwards(self):
         self._forwards = [0] * (len(self._models) + 1)    # per model; the last: passes since the last step
         for i, m in enumerate(self._models):
-            self._hooks.append(m.register_forward_pre_hook(_CountForward(self._forwards, i)))
+            self._hooks.append(m.register_forward_pre_hook(_CountForward(self, self._forwards, i)))
 
     def _communicating(self):
         """A step that sees no counted pass (the model's submodules are called, not the
@@ -565,8 +597,13 @@ class _ForwardCounted:
                              f"{len(forwards) - 1 if isinstance(forwards, list) else '?'} model(s); this wrapper "
                              f"has {len(self._forwards) - 1}")
 
+    def _advance_period(self):
+        communicated = self._communicating()
+        super()._advance_period()
+        self._count_step(communicated)
+
     def _count_step(self, communicated):
-        """At the end of step()."""
+        """At the end of each round."""
         if communicated:
             self._forwards[:] = [0] * len(self._forwards)
         else:
@@ -587,10 +624,9 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        communicating = self._communicating()
-        self._step_synchronize()
-        self.optimizer.step()
-        self._count_step(communicating)
+        with self._stepping():
+            self._step_synchronize()
+            self.optimizer.step()
         self._finish_step()
         return loss
 
@@ -691,7 +727,8 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                 if p.grad is not None:
                     self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
         try:
-            self._step_synchronize()
+            with self._stepping():
+                self._step_synchronize()
         finally:
             self._updated.clear()
         # the wrapped optimizer's step() never runs (its rule ran per parameter): tell a
@@ -766,12 +803,10 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         the averages are waited for and dropped, and the next pass starts afresh."""
         if self._handles or self._passes:
             try:
-                self._all_handles(lambda p, handle: self._wait(handle))
+                self._drop_round()
             finally:
                 self._passes.clear()
                 self._filled.clear()
-                self._rest_started = False
-                self._in_order.new_round()
         super().zero_grad(set_to_none)
 
     def _apply(self, p, result):
@@ -784,11 +819,12 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        try:
-            self._step_synchronize()
-        finally:
-            self._passes.clear()
-        self.optimizer.step()
+        with self._stepping():
+            try:
+                self._step_synchronize()
+            finally:
+                self._passes.clear()
+            self.optimizer.step()
         self._finish_step()
         return loss
 
@@ -856,14 +892,10 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
-        communicating = self._communicating()
-        try:
-            if communicating and not self._skip_sync:
+        with self._stepping():
+            if self._communicating() and not self._skip_sync:
                 self.synchronize()
             self.optimizer.step()
-        finally:
-            self._synced = False     # (also after an error: the next step combines)
-        self._count_step(communicating)
         self._finish_step()
         return loss
 

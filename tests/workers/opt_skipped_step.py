@@ -6,7 +6,10 @@ the mixing matrix: AWC x <- W x, then the step unless skipped; ATC x <- W (x - l
 (its step ran in the gradient hooks); gradient allreduce: the average gradient, then
 the step unless skipped; WinPut as AWC (every put landed before anyone combines).
 Also: gradient allreduce's zero_grad() after backward() without step() (a skipped
-batch, or a GAN's generator pass through the model) drops that pass's averages."""
+batch, or a GAN's generator pass through the model) drops that pass's averages, with
+agents on different branches too; remove_hooks() after a pass that raised completes
+its round on every agent; with num_steps_per_communication=3 one agent's skipped
+step() does not shift its communication period."""
 import numpy as np
 import torch
 
@@ -86,30 +89,96 @@ for kind in ("awc", "atc", "gar", "winput"):
         got, want = train(kind, set(skip)), simulate(kind, set(skip))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{kind}, step skipped on {list(skip)}")
 
-# gradient allreduce: zero_grad() after backward() without step() drops that pass
-model = make()
+# gradient allreduce: zero_grad() after backward() without step() drops that pass, also
+# when the agents took different branches (their allreduces are completed in one order)
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(5, 4), torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x, branch):
+        return self.head(torch.tanh(self.a(x) if branch == "a" else self.b(x)))
+
+
+def branch(r, s):
+    return "a" if (r < 2) == (s % 2 == 0) else "b"
+
+
+def make_branchy():
+    torch.manual_seed(2)
+    return Branchy()
+
+
+model = make_branchy()
 opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model)
-ref = [make() for _ in range(size)]
 for s in range(3):
     opt.zero_grad()
-    model(data(rank, s)).pow(2).mean().backward()
+    model(data(rank, s), branch(rank, s)).pow(2).mean().backward()
     if s == 0:
         continue                    # a skipped batch: the next zero_grad() drops its averages
     opt.step()
 opt.zero_grad()
-model(data(rank, 3)).pow(2).mean().backward()
+model(data(rank, 3), branch(rank, 3)).pow(2).mean().backward()
 opt.zero_grad()                     # then nothing to step
 opt.step()
+ref = [make_branchy() for _ in range(size)]
 for s in (1, 2):
     for r, m in enumerate(ref):
-        m.zero_grad()
-        m(data(r, s)).pow(2).mean().backward()
+        m.zero_grad(set_to_none=True)
+        m(data(r, s), branch(r, s)).pow(2).mean().backward()
     with torch.no_grad():
         for ps in zip(*(m.parameters() for m in ref)):
-            g = sum(p.grad for p in ps) / size
-            for p in ps:
-                p.sub_(LR * g)
+            if any(p.grad is not None for p in ps):
+                g = sum(p.grad for p in ps if p.grad is not None) / size
+                for p in ps:
+                    p.sub_(LR * g)
 np.testing.assert_allclose(flat(model), flat(ref[rank]), rtol=1e-5, atol=1e-6)
 opt.remove_hooks()
+
+# remove_hooks() after a pass that raised (ATC, allreduce in the fixed order, different
+# branches): it completes that round on every agent, and a new wrapper trains
+model = make_branchy()
+opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model,
+                                              bf.CommunicationType.allreduce)
+try:
+    for _ in range(2):
+        model(data(rank, 0), branch(rank, 0)).sum().backward()
+    raise AssertionError("ATC accepted a second backward pass")
+except RuntimeError as e:
+    assert "second gradient before step()" in str(e), e
+opt.remove_hooks()
+opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model,
+                                              bf.CommunicationType.allreduce)
+opt.zero_grad()
+model(data(rank, 1), branch(rank, 1)).sum().backward()
+opt.step()
+rows = bf.allgather(torch.from_numpy(flat(model)).view(1, -1), name="after.remove_hooks")
+assert all(torch.equal(rows[0], row) for row in rows), "the agents' averaged parameters differ"
+opt.remove_hooks()
+
+# num_steps_per_communication=3, rank 0 alone skips step() after synchronize() in step 3
+# (a gradient scaler's overflow is per agent with AWC/ATC): its period goes on with the
+# others'. lr 0: after step s every agent holds M^(s // 3) x0 (M: W, or 1/n everywhere for
+# allreduce); the last case clears gradients with model.zero_grad() (not the wrapper's)
+x0 = np.array([[10.0 * j + 1, -3.0 * j] for j in range(size)])
+for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, bf.CommunicationType.neighbor_allreduce),
+                      (bf.DistributedAdaptThenCombineOptimizer, bf.CommunicationType.neighbor_allreduce),
+                      (bf.DistributedAdaptWithCombineOptimizer, bf.CommunicationType.allreduce)):
+    M = W if comm is bf.CommunicationType.neighbor_allreduce else np.full((size, size), 1.0 / size)
+    lin = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(x0[rank]).view(1, 2))
+    opt = wrapper(torch.optim.SGD(lin.parameters(), lr=0.0), lin, comm, num_steps_per_communication=3)
+    for s in range(1, 10):
+        (lin.zero_grad if comm is bf.CommunicationType.allreduce else opt.zero_grad)()
+        lin(torch.ones(3, 2, dtype=torch.float64)).sum().backward()
+        opt.synchronize()
+        if not (s == 3 and rank == 0):
+            with opt.skip_synchronize():
+                opt.step()
+        want = (np.linalg.matrix_power(M.T, s // 3) @ x0)[rank]
+        np.testing.assert_allclose(lin.weight.detach().numpy().ravel(), want, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"{wrapper.__name__} {comm}, after step {s}")
+    opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
