@@ -46,7 +46,7 @@ from .timeline import _recorder as tl
 def _env_float(name, default, infinite_ok=False):
     """A number of seconds from the environment: >= 0 (inf, "never", where infinite_ok)."""
     raw = os.environ.get(name)
-    if raw in (None, ""):
+    if raw is None or not raw.strip():
         return default
     try:
         value = float(raw)
@@ -61,7 +61,7 @@ def _env_float(name, default, infinite_ok=False):
 def _env_int(name, default):
     """A number of bytes from the environment: an integer >= 0."""
     raw = os.environ.get(name)
-    if raw in (None, ""):
+    if raw is None or not raw.strip():
         return default
     try:
         value = int(raw)

@@ -114,6 +114,7 @@ class Window:
         self.tickets = 0        # next ticket (taken under the engine's queue lock): program order
         self.serving = 0        # lowest ticket not yet finished (communication thread)
         self._finished = set()
+        self.memory = threading.Lock()     # held while the MPI memory is freed (get_win_version reads it)
         self.versions = self.p = self.exposed = self.exposed_p = None
         self.buffers = []
 
@@ -329,13 +330,19 @@ def free(eng, op, wins, names, problem):
         listing = ", ".join(f"rank {r}: {list(v[1])}" for r, v in enumerate(views))
         raise ValueError(f"win_free: agents asked to free different windows ({listing}); "
                          "every agent must free the same windows")
+    # operations of another thread that started before this free finish first (later
+    # ones find the window gone: in_order)
+    started = [(w, w.tickets) for w in wins]
+    while any(w.serving < t for w, t in started):
+        yield Sleep(5e-5, "this agent's operations on the windows being freed")
     yield Turn(op.coll_seq)
     with _phase(op.name, "COMMUNICATE"):
         for w in wins:
-            mpi_win = w.win
-            w.detach()
-            mpi_win.Unlock_all()
-            mpi_win.Free()      # collective; every agent has passed the negotiation
+            with w.memory:
+                mpi_win = w.win
+                w.detach()
+                mpi_win.Unlock_all()
+                mpi_win.Free()      # collective; every agent has passed the negotiation
     eng.posted_collective(op)
     return True
 

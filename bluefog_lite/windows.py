@@ -416,10 +416,10 @@ def get_win_version(name):
     since this agent last read that buffer (win_update / win_get)}. A counted write
     has fully landed: the counter is bumped after the data."""
     _, win = _window(name, "get_win_version")
-    versions = win.versions
-    if versions is None:        # (another thread's win_free is running)
-        raise ValueError(f"get_win_version: window {name!r} is being freed (win_free)")
-    return {r: int(versions[i]) for i, r in enumerate(win.in_ranks)}
+    with win.memory:
+        if win.versions is None:        # (another thread's win_free has run)
+            raise ValueError(f"get_win_version: window {name!r} is being freed (win_free)")
+        return {r: int(win.versions[i]) for i, r in enumerate(win.in_ranks)}
 
 
 def turn_on_win_ops_with_associated_p():

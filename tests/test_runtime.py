@@ -81,7 +81,7 @@ def test_stall_of_an_agent_that_skipped_a_collective_names_the_collective_the_ot
     # at shutdown rank 1 still holds the others' negotiation of the check (a collective's
     # message, named by the operation it belongs to), and they hold rank 1's data
     untaken = dict(re.findall(r"rank (\d)\): at shutdown, data sent to this agent that no operation took: "
-                              r"(.*?)\. Its senders", out))
+                              r"(.*?)\. Either this agent", out))
     assert untaken == {"1": "1 from rank 0 under 'mixed.modes', 1 from rank 2 under 'mixed.modes', "
                             "1 from rank 3 under 'mixed.modes'",
                        **{r: "1 from rank 1 under 'mixed.modes'" for r in "023"}}, out
