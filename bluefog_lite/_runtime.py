@@ -177,6 +177,7 @@ def _initial_topology(topology_fn, is_weighted, comm):
     """topology_fn(size), validated, and the same graph on every agent (collective).
     An agent whose arguments fail (or whose topology_fn raises) still joins the
     exchange, so that every agent raises instead of the others waiting for it."""
+    from ._tasks import BadInput, failed_everywhere
     error = None
     try:
         _check_is_weighted(is_weighted)
@@ -189,13 +190,13 @@ def _initial_topology(topology_fn, is_weighted, comm):
                                 is_weighted)
         mine = _fingerprint(G, is_weighted)
     except Exception as exc:
-        error, mine = exc, (None, f"{type(exc).__name__}: {exc}")
+        error, mine = exc, BadInput(f"{type(exc).__name__}: {exc}")
     views = comm.allgather(mine)
     if error is not None:
         raise error
-    failed = [f"rank {r}: {text}" for r, (flag, text) in enumerate(views) if flag is None]
-    if failed:
-        raise ValueError("init failed on every agent because of bad input (" + "; ".join(failed) + ")")
+    bad = [(r, v.text) for r, v in enumerate(views) if isinstance(v, BadInput)]
+    if bad:
+        raise failed_everywhere("init", bad)
     _same_everywhere("init", views, "topology_fn returned different graphs on different agents; it must give "
                      "every agent the same graph")
     return G

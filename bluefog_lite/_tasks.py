@@ -160,9 +160,14 @@ def exchange_headers(eng, op, payload, mpi_call=False):
                            "collectives in the same order with the same names")
     bad = [(r, v[2].text) for r, v in enumerate(views) if isinstance(v[2], BadInput)]
     if bad:
-        listing = "; ".join(f"rank {r}: {text}" for r, text in bad)
-        raise ValueError(f"{op.kind} {op.name!r} failed on every agent because of bad input ({listing})")
+        raise failed_everywhere(f"{op.kind} {op.name!r}", bad)
     return [v[2] for v in views]
+
+
+def failed_everywhere(what, bad, kind=ValueError):
+    """The error every agent raises when the input of some was bad: bad = [(rank, its error's text)]."""
+    listing = "; ".join(f"rank {r}: {text}" for r, text in bad)
+    return kind(f"{what} failed on every agent because of bad input ({listing})")
 
 
 class BadInput:

@@ -32,7 +32,7 @@ from ._waits import Requests, Sleep, Turn
 from ._mpi import MPI
 from ._stream import plain
 from ._neighbor_tasks import scaled
-from ._tasks import _phase, exchange_headers, weighted_sum
+from ._tasks import _phase, exchange_headers, failed_everywhere, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
@@ -272,8 +272,7 @@ def _raise_problems(op, views):
     if not problems:
         return
     kind = TypeError if problems[0][1][0] == "TypeError" else ValueError
-    listing = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in problems)
-    raise kind(f"{op.kind.lower()} failed on every agent because of bad input ({listing})")
+    raise failed_everywhere(op.kind.lower(), [(r, msg) for r, (_, msg) in problems], kind)
 
 
 _hosts_spanned = weakref.WeakKeyDictionary()    # engine -> do its agents span several hosts?
