@@ -103,7 +103,7 @@ def _waiting(copies, names):
 def delivery(t, in_place, name):
     """None for a host tensor; for a device tensor, the function that takes the
     host result of operation name to t's device: written into t (in_place; returns
-    t, detached, as the host form does) or as a new tensor there."""
+    t itself, as the host form does) or as a new tensor there."""
     if not on_device(t):
         return None
     # (out of place: an empty tensor like t, so as not to keep the input alive)
@@ -111,7 +111,10 @@ def delivery(t, in_place, name):
 
     def deliver(host):
         with _phase(name, "COPY_TO_DEVICE"):
-            out = target if in_place else target.new_empty(host.shape, dtype=host.dtype)   # (on t's device)
+            if in_place:
+                target.copy_(host)
+                return t
+            out = target.new_empty(host.shape, dtype=host.dtype)   # (on t's device)
             out.copy_(host)
         return out
     return deliver

@@ -83,6 +83,14 @@ def _target(tensor, x):
     return x if _devices.on_device(tensor) else tensor.detach()
 
 
+def _in_place(tensor, name):
+    """deliver (see _submit) of an in-place form: synchronize returns tensor itself, as
+    Bluefog does (a Parameter stays one, with its requires_grad), not the detached
+    alias the task writes into; a device tensor first gets its result."""
+    deliver = _devices.delivery(tensor, True, name)
+    return (lambda _: tensor) if deliver is None else deliver
+
+
 def _blocking(nonblocking, *args, **kwargs):
     """The blocking form of an operation: synchronize(nonblocking(...)), enqueued
     without waking the communication thread, so that this thread may run it."""
@@ -196,8 +204,8 @@ def _local_allreduce(name, tensor, average, in_place):
     except (TypeError, ValueError) as exc:
         peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("ALLREDUCE", name, exc, peers, peers)
-    deliver = _devices.delivery(tensor, in_place, name)
-    if not in_place or deliver is not None:     # (a device tensor's own copy is x: written at synchronize)
+    if not in_place or _devices.on_device(tensor):     # (a device tensor's own copy is x: written at synchronize)
+        deliver = _in_place(tensor, name) if in_place else _devices.delivery(tensor, False, name)
         return _submit("ALLREDUCE", name, lambda e, op: _neighbor_tasks.local_allreduce(
             e, op, x, st.local_ranks, average), deliver=deliver)
     target = tensor.detach()
@@ -212,8 +220,8 @@ def _local_allreduce(name, tensor, average, in_place):
         e.stream.flush_all()
         if op.data_requests:
             yield Requests([r for r, _ in op.data_requests], "the sends of the input it overwrites")
-        return target.copy_(out)
-    return _submit("ALLREDUCE", name, task)
+        target.copy_(out)
+    return _submit("ALLREDUCE", name, task, deliver=_in_place(tensor, name))
 
 
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -243,7 +251,7 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
-    return _collective("ALLREDUCE", name, prepare, _devices.delivery(tensor, True, name))
+    return _collective("ALLREDUCE", name, prepare, _in_place(tensor, name))
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -272,7 +280,7 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
-    return _collective("BROADCAST", name, prepare, _devices.delivery(tensor, True, name))
+    return _collective("BROADCAST", name, prepare, _in_place(tensor, name))
 
 
 def broadcast_(tensor, root_rank, name=None):

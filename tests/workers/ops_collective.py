@@ -23,8 +23,9 @@ for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5)):
     np.testing.assert_allclose(bf.allreduce(x, average=False, name="ar.sum").numpy(),
                                everyone.sum(0).astype(dtype), rtol=tol, atol=tol)
     assert torch.equal(x, before)
-    bf.allreduce_(x, name="ar.inplace")
+    assert bf.allreduce_(x, name="ar.inplace") is x       # the tensor itself, as Bluefog returns it
     np.testing.assert_allclose(x.numpy(), everyone.mean(0).astype(dtype), rtol=tol, atol=tol)
+    assert bf.synchronize(bf.allreduce_nonblocking_(x, name="ar.inplace.nb")) is x
 
 xi = torch.arange(5, dtype=torch.int32) * (rank + 1)
 assert bf.allreduce(xi, average=False, name="ar.int").tolist() == [k * size * (size + 1) // 2 for k in range(5)]
@@ -100,8 +101,18 @@ for root in range(size):
     y = bf.broadcast(x, root, name=f"bc.{root}")
     np.testing.assert_array_equal(y.numpy(), data(root))
     np.testing.assert_array_equal(x.numpy(), data(rank))
-    bf.broadcast_(x, root, name="bc_")
+    assert bf.broadcast_(x, root, name="bc_") is x
     np.testing.assert_array_equal(x.numpy(), data(root))
+
+# In-place forms return the tensor itself: a Parameter stays a Parameter (a leaf that
+# requires grad, so that it can be trained on), as in Bluefog.
+w = torch.nn.Parameter(torch.from_numpy(data(rank)))
+w = bf.broadcast_(w, 0, name="bc_.param")
+assert isinstance(w, torch.nn.Parameter) and w.requires_grad and w.is_leaf
+np.testing.assert_array_equal(w.detach().numpy(), data(0))
+(w * w).sum().backward()
+np.testing.assert_allclose(w.grad.numpy(), 2 * data(0))
+assert bf.synchronize(bf.allreduce_nonblocking_(w, name="ar_.param")) is w
 
 rows = torch.full((rank + 1, 2), float(rank), dtype=torch.float32)
 g = bf.allgather(rows, name="ag")

@@ -110,14 +110,14 @@ x = dev(rank)
 ptr = x.data_ptr()
 out = bf.allreduce_(x)
 check("allreduce_ (the tensor)", x, everyone)
-assert out.data_ptr() == ptr and on_device(out), "allreduce_ must return the tensor it wrote"
+assert out is x and out.data_ptr() == ptr, "allreduce_ must return the tensor it wrote"
 x = dev(rank)
-bf.synchronize(bf.allreduce_nonblocking_(x, is_hierarchical_local=True))
+assert bf.synchronize(bf.allreduce_nonblocking_(x, is_hierarchical_local=True)) is x
 check("local allreduce_ (one host: every agent)", x, everyone)
 check("local allreduce", bf.allreduce(dev(rank), is_hierarchical_local=True), everyone)
 check("broadcast", bf.broadcast(dev(rank), 1), data(1))
 x = dev(rank)
-bf.broadcast_(x, 2 % size)
+assert bf.broadcast_(x, 2 % size) is x
 check("broadcast_ (the tensor)", x, data(2 % size))
 check("allgather", bf.allgather(dev(rank, (rank + 1, 2))), np.concatenate([data(r, (r + 1, 2))
                                                                            for r in range(size)]))

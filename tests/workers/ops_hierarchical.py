@@ -45,7 +45,7 @@ for i, n in enumerate((6, 6, 6, 20000, 20000, 20000)):
             assert time.monotonic() < deadline, f"rank {rank}: the machine's inputs for {name} never came"
             time.sleep(0.005)
     x = torch.from_numpy(xs[rank].copy())
-    bf.allreduce_(x, is_hierarchical_local=True, name=name)
+    assert bf.allreduce_(x, is_hierarchical_local=True, name=name) is x
     want = np.mean([xs[m * per + l] for l in range(per)], axis=0)
     np.testing.assert_allclose(x.numpy(), want, rtol=1e-12, err_msg=f"rank {rank}, {name}")
 
