@@ -5,7 +5,7 @@ destinations, waits for its sources' (Recv), checks them and averages."""
 import torch
 
 from ._devices import copied
-from ._stream import Member, Outgoing
+from ._stream import Member, Outgoing, dtype_name
 from ._tasks import (_HALVES, BadInput, _check_same, _describe, _meta, _phase, _raise_if_refused,
                      _raise_other_kind, _release, exchange_headers, weighted_sum)
 from ._waits import Partial, Recv
@@ -300,6 +300,8 @@ def _machine_sum(eng, op, x, local_ranks):
 def _machine_sum_dtype(x):
     if x.dtype in _HALVES:
         return torch.float32
+    if x.dtype == getattr(torch, "uint64", None):     # (its values above 2**63 wrap in int64)
+        return torch.float64
     return x.dtype if x.is_floating_point() or x.is_complex() else torch.int64
 
 
@@ -320,13 +322,23 @@ def local_allreduce(eng, op, x, local_ranks, average):
     return total if total.dtype == x.dtype else total.to(x.dtype)
 
 
+def machine_keys(name):
+    """The keys under which hierarchical_neighbor_allreduce name's agent sends the
+    agents of other machines its machine sum and the dtype of its input (machine sums
+    go in a dtype of their own, float64 for every integer input, which would not show
+    that inputs differ)."""
+    return (name, "machine"), (name, "machine dtype")
+
+
 def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_weights,
                                     send_plan, recv_from, check):
     """Sum within the machine, exchange the machine sums with the same local rank
     of neighbor machines, weight them, divide by the agents per machine."""
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
-    key = (op.name, "machine")
+    key, dtype_key = machine_keys(op.name)
+    for dst, _ in send_plan:
+        eng.send_object(dst, dtype_key, dtype_name(x.dtype))
     with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
         acc = torch.empty(x.shape, dtype=_weighted_dtype(x))
     try:
@@ -337,7 +349,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         note = BadInput(f"has no machine sum to send, because on its machine: {err}")
         for dst, _ in send_plan:
             eng.send_object(dst, key, note)
-        eng.forget_inputs([(src, key) for src in recv_from])
+        eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
         raise
     averaged = False
     if machine_sum.dtype != acc.dtype:
@@ -351,8 +363,16 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             machine_sum = machine_sum.to(acc.dtype)
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, machine_sum, send_plan)
-        remote = yield Recv([(src, key) for src in recv_from])
+        entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
+    remote, dtypes = entries[:len(recv_from)], entries[len(recv_from):]
     try:
+        for e, dt in zip(remote, dtypes):
+            if not e.is_tensor:
+                _raise_if_refused(op, e)
+            if dt.value != dtype_name(x.dtype):
+                raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} passed a tensor of dtype {dt.value} "
+                                 f"but this agent has {_describe(x)}; neighbors must pass tensors of the same "
+                                 "shape and dtype")
         _check_same(op, machine_sum, remote)
         with _phase(op.name, "COMPUTE_AVERAGE"):
             weighted_sum(acc, machine_sum, self_weight,
@@ -361,4 +381,4 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
                 acc.div_(len(local_ranks))
             return acc if acc.dtype == x.dtype else acc.round_().to(x.dtype)
     finally:
-        _release(remote)
+        _release(entries)

@@ -476,8 +476,8 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, neighb
                                      dst_machine_weights, st.machine_size, st.machine_rank)
         local = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name, exc,
-                       local + [(to_rank(m), (name, "machine")) for m in sends],
-                       local + [(to_rank(m), (name, "machine")) for m in recvs],
+                       local + [(to_rank(m), k) for m in sends for k in _neighbor_tasks.machine_keys(name)],
+                       local + [(to_rank(m), k) for m in recvs for k in _neighbor_tasks.machine_keys(name)],
                        negotiate=bool(enable_topo_check) and dst_machine_weights is not None,
                        sources_known=known)
     plan = [(to_rank(m), w) for m, w in plan]

@@ -141,6 +141,25 @@ else:
 y = bf.hierarchical_neighbor_allreduce(torch.from_numpy(data(rank)), name="hna.odd")
 np.testing.assert_allclose(y.numpy(), sum(U[i, m] * machine_mean[i] for i in range(M)), rtol=1e-12)
 
+# the last machine's agents pass another dtype that machine sums do not show (every
+# integer sum goes as float64): the agents receiving a sum of the other dtype raise
+receives_other = [U[i, m] > 0 for i in range(M) if (i == M - 1) != (m == M - 1)]
+for mine_dt, last_dt in ((torch.int64, torch.int32), (torch.float64, torch.int64), (torch.int64, torch.int8)):
+    dt = last_dt if m == M - 1 else mine_dt
+    try:
+        bf.hierarchical_neighbor_allreduce(torch.full((3,), 100, dtype=dt), name="hna.other_dtype")
+    except ValueError as e:
+        assert any(receives_other) and "same shape and dtype" in str(e), e
+        other = mine_dt if m == M - 1 else last_dt
+        assert f"passed a tensor of dtype {str(other).split('.')[1]} but this agent has" in str(e), e
+    else:
+        assert not any(receives_other), f"{mine_dt} and {last_dt} on different machines went unnoticed"
+
+# uint64 values above 2**63 (an int64 machine sum would wrap them negative)
+big = 2**63 + 2**20
+got = bf.hierarchical_neighbor_allreduce(torch.tensor([big, 7], dtype=torch.uint64), name="hna.uint64")
+assert got.dtype == torch.uint64 and [int(v) for v in got.tolist()] == [big, 7], got.tolist()
+
 # the last agent's arguments are rejected (a bool tensor; a src machine out of range):
 # it raises its own error, its machine peers and the agents of the machines receiving
 # from it raise naming the cause instead of waiting; the name works again afterwards
