@@ -125,6 +125,9 @@ def _set_compute_threads(local_size):
     torch.set_num_threads(max(1, cores // max(1, local_size)))
 
 
+_exit_registered = False     # shutdown() is registered to run at exit
+
+
 def init(topology_fn=None, is_weighted=False):
     """Start MPI (if needed), the communication thread and the default topology.
 
@@ -169,7 +172,10 @@ def init(topology_fn=None, is_weighted=False):
     _state.shut_down = False
     _install_topology(G, is_weighted)
     _install_machine_topology(_topo.ExponentialGraph(_state.machine_size), False)
-    atexit.register(shutdown)
+    global _exit_registered
+    if not _exit_registered:        # (once per process, however often it is initialized)
+        atexit.register(shutdown)
+        _exit_registered = True
     _start_timeline_if_requested()
 
 

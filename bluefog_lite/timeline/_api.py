@@ -13,12 +13,6 @@ def _check(value, what):
         raise TypeError(f"{what} must be a non-empty string, got {value!r}")
 
 
-# (tensor_name, thread ident) -> (name, recorder) of the activities timeline_start_activity
-# opened there and timeline_end_activity has not closed, innermost last (one opened in a
-# file that has since been closed was ended there)
-_open = {}
-
-
 def timeline_start_activity(tensor_name, activity_name):
     """Open a span named activity_name on tensor_name's row. True if recorded."""
     _check(tensor_name, "tensor_name")
@@ -29,7 +23,7 @@ def timeline_start_activity(tensor_name, activity_name):
     tid = threading.get_ident()
     rec.know_thread(tid)
     rec.begin_scoped(tensor_name, activity_name, tid)
-    _open.setdefault((tensor_name, tid), []).append((activity_name, rec))
+    rec.activities.setdefault((tensor_name, tid), []).append(activity_name)
     return True
 
 
@@ -43,15 +37,12 @@ def timeline_end_activity(tensor_name):
     if rec is None:
         return False
     tid = threading.get_ident()
-    names = _open.get((tensor_name, tid), [])
-    while names and names[-1][1] is not rec:
-        names.pop()             # opened in a file closed since (it ended there)
-    if not names:
-        _open.pop((tensor_name, tid), None)
+    names = rec.activities.get((tensor_name, tid))
+    if not names:       # (none, or opened in a file closed since: it ended there)
         return False
-    activity, _ = names.pop()
+    activity = names.pop()
     if not names:
-        del _open[(tensor_name, tid)]
+        del rec.activities[(tensor_name, tid)]
     rec.end(tensor_name, tid, activity)
     return True
 

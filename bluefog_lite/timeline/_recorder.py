@@ -31,6 +31,10 @@ class Recorder:
     def __init__(self):
         self.events = collections.deque()
         self.thread_names = {}   # thread ident -> display name
+        # (tensor_name, thread ident) -> the activities timeline_start_activity opened
+        # there in this file and timeline_end_activity has not ended, innermost last
+        # (kept here, they go with the file: closing it ends them)
+        self.activities = {}
 
     def begin(self, tensor_name, activity, tid=None):
         self.events.append(("B", now_ns(), tensor_name, activity, tid or _ident()))

@@ -1,4 +1,5 @@
 """One agent: every neighbor op is a well-defined no-op (self-weighted), nothing divides by zero."""
+import atexit
 import sys
 
 import torch
@@ -50,6 +51,13 @@ bf.resume()
 assert torch.equal(bf.allreduce(x), x)
 bf.shutdown()
 assert sys.excepthook is own_hook, sys.excepthook
+bf.init()      # (a first re-init: modules imported late register their own exit functions)
+bf.shutdown()
+callbacks = atexit._ncallbacks()     # shutdown is registered once, however often init runs
+for _ in range(3):
+    bf.init()
+    bf.shutdown()
+assert atexit._ncallbacks() == callbacks, (callbacks, atexit._ncallbacks())
 try:
     bf.allreduce(x)
     raise AssertionError("an op after shutdown() must raise")

@@ -5,6 +5,7 @@ gets its FORWARD/BACKWARD hooks from its wrapper at timeline_start (and loses
 them at timeline_stop); model B has hooks installed by hand, so its wrapper adds
 none (no span recorded twice). Two steps of each are recorded."""
 import collections
+import gc
 import sys
 
 import torch
@@ -67,5 +68,14 @@ except ValueError as e:
     assert "directory '/no/such/dir' does not exist (check the prefix given to timeline_start)" in str(e), e
 bf.neighbor_allreduce(x, name="again")
 bf.timeline_stop()
+# a job that rotates files and leaves an activity to be ended by each file's close
+# keeps nothing of the closed files
+for i in range(5):
+    bf.timeline_start(f"{prefix}rotate{i}_")
+    assert bf.timeline_start_activity("u", "EPOCH") is True
+    bf.timeline_stop()
+gc.collect()
+kept = [o for o in gc.get_objects() if isinstance(o, _recorder.Recorder)]
+assert not kept, f"{len(kept)} recorders of closed files are kept"
 bf.shutdown()
 print(f"AGENT OK {bf._runtime._state.rank}", flush=True)
