@@ -755,6 +755,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._passes = {}
         self._filled = set()        # ids of parameters given a zero gradient this step
+        self._averaged = {}         # id of a parameter -> (name, its gradient, version) sent this step
         self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
@@ -766,6 +767,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             if n > k:
                 # The average of the first k passes is in flight: this gradient (already
                 # added to p.grad) cannot join it, and would be overwritten by it.
+                self._averaged.pop(id(p), None)     # (said here: not again at synchronize)
                 raise RuntimeError(
                     f"parameter {name!r} received gradient {n} before step(), with "
                     f"num_steps_per_communication={k}: DistributedGradientAllreduceOptimizer averages "
@@ -788,6 +790,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                             "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, WinPut)")
         with self._named_after(name):
             h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
+        self._averaged[id(p)] = (name, p.grad, p.grad._version)
         self._started(name, p, h)
 
     def _launch_rest(self):
@@ -807,9 +810,19 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             finally:
                 self._passes.clear()
                 self._filled.clear()
+                self._averaged.clear()
         super().zero_grad(set_to_none)
 
     def _apply(self, p, result):
+        name, grad, version = self._averaged.pop(id(p), (None, p.grad, None))
+        if p.grad is not grad or (version is not None and grad._version != version):
+            # The allreduce reads the gradient until it is done: a change made meanwhile
+            # (clip_grad_norm_, GradScaler.unscale_ before step()) would be lost or half taken.
+            raise RuntimeError(
+                f"the gradient of {name!r} was changed after backward() started averaging it (clipped, "
+                "unscaled or replaced before step()), so its average would undo the change or take part of it. "
+                "Call opt.synchronize() first, then change the averaged gradients, then step() inside "
+                "`with opt.skip_synchronize():`")
         if id(p) in self._filled:
             self._filled.discard(id(p))
             if not result.any():    # no agent had a gradient for it

@@ -180,5 +180,36 @@ for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, bf.Communication
         np.testing.assert_allclose(lin.weight.detach().numpy().ravel(), want, rtol=1e-12, atol=1e-12,
                                    err_msg=f"{wrapper.__name__} {comm}, after step {s}")
     opt.remove_hooks()
+
+# gradient allreduce: clipping between backward() and step() without synchronize()
+# first raced the allreduce still reading the gradient (a random mix of clipped and
+# raw values): a clear error on every agent, after which the next step works; with
+# synchronize() first, the clipped average is what the step uses
+model = make()
+opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model)
+for s in range(2):
+    opt.zero_grad()
+    model(data(rank, s)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "was changed after backward() started averaging it" in str(e), e
+        assert "opt.synchronize() first" in str(e), e
+    else:
+        raise AssertionError("clipping a gradient whose allreduce was in flight went unnoticed")
+opt.zero_grad()
+model(data(rank, 7)).sum().backward()
+raw = [bf.allreduce(p.grad, name=f"raw.{i}") for i, p in enumerate(model.parameters())]
+opt.synchronize()
+for p, r in zip(model.parameters(), raw):
+    torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=1e-7)
+norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))
+with opt.skip_synchronize():
+    opt.step()
+assert norm > 0.01
+for p, r in zip(model.parameters(), raw):
+    torch.testing.assert_close(p.grad, r * (0.01 / (norm + 1e-6)), rtol=1e-6, atol=1e-7)
+opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
