@@ -18,6 +18,7 @@ import weakref
 import warnings
 
 import torch
+from torch.nn.utils import parametrize
 
 from . import ops, windows
 from ._local_steps import NoStepRule, check_step_function, step_function_for
@@ -60,6 +61,23 @@ def _named_params(model, optimizer):
         raise ValueError(f"the model ({type(model).__name__}) has no parameters that require gradients: "
                          "the wrapper would have nothing to communicate")
     return named
+
+
+def _forward_owners(model):
+    """(module, the parameters its forward uses as its own) for each module of model.
+    A parametrization's parameters (weight_norm's original0/1, ...) belong to the module
+    they parametrize: the parametrization's own modules run whenever the weight is
+    read, also outside a training pass (logging its norm on one agent)."""
+    inside = set()
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            inside.update(id(m) for m in module.parametrizations.modules())
+    for module in model.modules():
+        if id(module) not in inside:
+            params = list(module.parameters(recurse=False))
+            if parametrize.is_parametrized(module):
+                params += module.parametrizations.parameters()
+            yield module, params
 
 
 class _AfterForward(CopiedInert):
@@ -458,8 +476,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """launch(name, p) for each module's own parameters right after its forward,
         once per communicating step (even when forward runs several times)."""
         self._launched = set()
-        for module in model.modules():
-            own = [(self._name_of[id(p)], p) for p in module.parameters(recurse=False) if id(p) in self._name_of]
+        for module, params in _forward_owners(model):
+            own = [(self._name_of[id(p)], p) for p in params if id(p) in self._name_of]
             if own:
                 self._hooks.append(module.register_forward_hook(_AfterForward(self, own, launch)))
 

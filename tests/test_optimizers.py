@@ -124,6 +124,13 @@ def test_synchronize_ends_the_round_when_step_is_skipped():
     run_agents(4, "opt_skipped_step.py", timeout=150)
 
 
+def test_parametrized_layer():
+    """AWC and WinPut mix weight_norm's parameters like the others (against the mixing
+    matrix); reading the weight on one agent outside a pass starts no communication
+    (tests/workers/opt_parametrized.py)."""
+    run_agents(4, "opt_parametrized.py", timeout=120)
+
+
 def test_two_backward_passes_before_step():
     """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
     Also: an optimizer parameter outside the model is stepped like torch.optim does."""
