@@ -63,6 +63,11 @@ def _named_params(model, optimizer):
     return named
 
 
+# (each reentrant checkpoint runs a backward pass of its own inside backward())
+_REENTRANT_HINT = (". A layer used in several torch.utils.checkpoint.checkpoint(..., use_reentrant=True) calls "
+                   "gets one gradient per call: checkpoint with use_reentrant=False")
+
+
 def _forward_owners(model):
     """(module, the parameters its forward uses as its own) for each module of model.
     A parametrization's parameters (weight_norm's original0/1, ...) belong to the module
@@ -700,7 +705,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     "gradient is ready, so it cannot accumulate gradients over several backward passes. "
                     "Call step() after every backward pass (num_steps_per_communication=k gives local "
                     "steps between communications), or use DistributedAdaptWithCombineOptimizer, which "
-                    "steps on the accumulated gradient")
+                    "steps on the accumulated gradient" + _REENTRANT_HINT)
             with torch.no_grad():
                 self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
@@ -791,7 +796,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                     f"num_steps_per_communication={k}: DistributedGradientAllreduceOptimizer averages "
                     f"the gradients of {k} backward pass(es) and then needs step(). Call step() after "
                     "every k backward passes, or set num_steps_per_communication to the number of "
-                    "passes to accumulate")
+                    "passes to accumulate" + _REENTRANT_HINT)
             self._passes[name] = n
             if n == k:
                 self._in_order.ready(name, p)

@@ -99,5 +99,21 @@ for make in (bf.DistributedAdaptThenCombineOptimizer, bf.DistributedAdaptWithCom
     for p, q in zip(model.parameters(), ref.parameters()):     # same data everywhere: W x = x
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
     wrapped.remove_hooks()
+
+# A layer used in two reentrant checkpoints gets a gradient per checkpoint within one
+# backward(): the refusal says so (the message otherwise asks for a step() per pass)
+for make in (bf.DistributedAdaptThenCombineOptimizer, bf.DistributedGradientAllreduceOptimizer):
+    shared = torch.nn.Linear(3, 3)
+    wrapped = make(torch.optim.SGD(shared.parameters(), lr=0.1), shared)
+    checkpoint = torch.utils.checkpoint.checkpoint
+    h = checkpoint(shared, x1.requires_grad_(), use_reentrant=True)
+    try:
+        checkpoint(shared, h, use_reentrant=True).sum().backward()
+    except RuntimeError as e:
+        assert "use_reentrant=False" in str(e), e
+    else:
+        raise AssertionError(f"{make.__name__}: two reentrant checkpoints of one layer went unnoticed")
+    wrapped.remove_hooks()
+    x1 = x1.detach()
 bf.shutdown()
 print(f"AGENT OK {r}", flush=True)
