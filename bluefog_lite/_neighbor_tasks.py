@@ -275,7 +275,8 @@ def _machine_sum(eng, op, x, local_ranks):
     """The sum of x over the agents of this machine, added in rank order so that
     every local agent gets bitwise the same value: in float32 for 16-bit floats (as
     allreduce adds them), in int64 for integers (exact; cast back to a narrower
-    dtype it wraps around as allreduce's MPI sum does)."""
+    dtype it wraps around as allreduce's MPI sum does), in float64 for uint64
+    (hierarchical_neighbor_allreduce only; allreduce refuses it)."""
     yield from copied(op)
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]

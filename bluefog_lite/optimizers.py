@@ -811,6 +811,11 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             raise TypeError(f"parameter {name!r} has a {p.grad.layout} gradient: "
                             f"{type(self).__name__} averages dense gradients only (e.g. nn.Embedding(..., "
                             "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, WinPut)")
+        g = p.grad
+        if g.untyped_storage().nbytes() != g.numel() * g.element_size():
+            # a slice of a gradient buffer shared with other parameters (the model joins them
+            # with torch.cat or stack), whose writes would change this one's version too
+            p.grad = g.clone()
         with self._named_after(name):
             h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
         self._averaged[id(p)] = (name, p.grad, p.grad._version)
@@ -836,14 +841,20 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                 self._averaged.clear()
         super().zero_grad(set_to_none)
 
+    def _drop_round(self):
+        try:
+            super()._drop_round()
+        finally:
+            self._averaged.clear()
+
     def _apply(self, p, result):
         name, grad, version = self._averaged.pop(id(p), (None, p.grad, None))
         if p.grad is not grad or (version is not None and grad._version != version):
             # The allreduce reads the gradient until it is done: a change made meanwhile
             # (clip_grad_norm_, GradScaler.unscale_ before step()) would be lost or half taken.
             raise RuntimeError(
-                f"the gradient of {name!r} was changed after backward() started averaging it (clipped, "
-                "unscaled or replaced before step()), so its average would undo the change or take part of it. "
+                f"the gradient of {name!r} was changed after backward() started averaging it (clipped or "
+                "replaced before step()), so its average would undo the change or take part of it. "
                 "Call opt.synchronize() first, then change the averaged gradients, then step() inside "
                 "`with opt.skip_synchronize():`")
         if id(p) in self._filled:

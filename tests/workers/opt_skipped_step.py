@@ -211,5 +211,24 @@ assert norm > 0.01
 for p, r in zip(model.parameters(), raw):
     torch.testing.assert_close(p.grad, r * (0.01 / (norm + 1e-6)), rtol=1e-6, atol=1e-7)
 opt.remove_hooks()
+
+# parameters joined into one tensor by the model (torch.cat: their gradients are slices
+# of one buffer, with one version counter) are not taken for changed gradients, with
+# num_steps_per_communication 1 and 2: the step uses the average of the summed passes
+q, v = (torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(2))
+holder = torch.nn.Module()
+holder.q, holder.v = q, v
+for k in (1, 2):
+    opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD([q, v], lr=0.0), holder,
+                                                   num_steps_per_communication=k)
+    for s in range(2):
+        opt.zero_grad()
+        for i in range(k):
+            coef = torch.arange(6, dtype=torch.float64) * (rank + 1) + i
+            (coef * torch.cat((q, v))).sum().backward()
+        opt.step()
+        want = sum(torch.arange(6, dtype=torch.float64) * (r + 1) + i for r in range(size) for i in range(k)) / size
+        torch.testing.assert_close(torch.cat((q.grad, v.grad)), want, msg=lambda m: f"k={k}: {m}")
+    opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
