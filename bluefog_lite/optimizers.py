@@ -101,7 +101,7 @@ class _AfterForward(CopiedInert):
         if not module.training or not torch.is_grad_enabled() or not wrapper._communicating():
             return
         for name, p in self.own:
-            if name not in wrapper._launched:
+            if name not in wrapper._launched and p.requires_grad:     # (frozen since: left alone)
                 self.launch(name, p)
                 wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
 
@@ -129,28 +129,36 @@ class _InOrder:
     soon as every parameter before it in the order has; finish() (in step())
     starts the rest. Where the hooks fire in the fixed order, nothing waits."""
 
-    def __init__(self, names, start, refuse):
-        """refuse(name) raises: the parameter became ready twice in one round."""
+    def __init__(self, names, start, refuse, param_of, skip_frozen):
+        """refuse(name) raises: the parameter became ready twice in one round.
+        skip_frozen: a parameter that does not require gradients (frozen after the
+        wrapper was created) is left out of the round."""
         self.order, self.start, self.refuse = names, start, refuse
+        self.param_of, self.skip_frozen = param_of, skip_frozen
         self.next = 0           # index in order of the next parameter to start
         self.waiting = {}       # name -> param: ready, waiting for earlier ones
+
+    def _left_out(self, name):
+        return self.skip_frozen and not self.param_of[name].requires_grad
 
     def ready(self, name, p):
         if name in self.waiting:
             self.refuse(name)
         self.waiting[name] = p
         order, waiting = self.order, self.waiting
-        while self.next < len(order) and order[self.next] in waiting:
+        while self.next < len(order) and (order[self.next] in waiting or self._left_out(order[self.next])):
             n = order[self.next]
             self.next += 1
-            self.start(n, waiting.pop(n))
+            if n in waiting:
+                self.start(n, waiting.pop(n))
 
-    def finish(self, param_of):
+    def finish(self):
         """Start every parameter not started yet this round, in the order."""
         while self.next < len(self.order):
             n = self.order[self.next]
             self.next += 1
-            self.start(n, self.waiting.pop(n) if n in self.waiting else param_of[n])
+            if not self._left_out(n):
+                self.start(n, self.waiting.pop(n) if n in self.waiting else self.param_of[n])
 
     def new_round(self):
         self.next = 0
@@ -397,7 +405,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         that every agent makes the same calls whichever parameters its pass used."""
         try:
             if self._in_order is not None and (self._in_order.next or self._in_order.waiting):
-                self._in_order.finish(self._param_of)
+                self._in_order.finish()
             self._all_handles(lambda p, handle: self._wait(handle))
         finally:
             self._rest_started = False
@@ -544,7 +552,8 @@ class _ParameterCommunicator(_DistributedOptimizer):
         self.communication_type = communication_type
         if communication_type is CommunicationType.allreduce:
             names = [n for n, _ in self._named]
-            self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass)
+            self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass,
+                                      self._param_of, skip_frozen=True)
 
     def _launch(self, name, p):
         self._synced = False        # a new round (even while the fixed order holds it back)
@@ -578,10 +587,10 @@ class _ParameterCommunicator(_DistributedOptimizer):
         if not self._communicating():
             return
         if self._in_order is not None:
-            self._in_order.finish(self._param_of)
+            self._in_order.finish()
         else:
             for name, p in self._named:
-                if name not in self._handles and name not in self._launched:
+                if name not in self._handles and name not in self._launched and p.requires_grad:
                     self._start(name, p)
         self._launched = set()
 
@@ -779,7 +788,8 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         self._passes = {}
         self._filled = set()        # ids of parameters given a zero gradient this step
         self._averaged = {}         # id of a parameter -> (name, its gradient, version) sent this step
-        self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass)
+        self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass,
+                                  self._param_of, skip_frozen=False)   # (frozen ones: zeros, as in Bluefog)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
 
@@ -822,7 +832,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         self._started(name, p, h)
 
     def _launch_rest(self):
-        self._in_order.finish(self._param_of)
+        self._in_order.finish()
 
     def _end_round(self):
         super()._end_round()
@@ -909,11 +919,13 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             return
         self._check_memory()
         for name, p in self._named:
-            if name not in self._handles and name not in self._launched:
+            if name not in self._handles and name not in self._launched and p.requires_grad:
                 self._put(name, p)
         self._launched = set()
         self._all_handles(lambda p, h: self._wait(h))
-        for name, _ in self._named:
+        for name, p in self._named:
+            if not p.requires_grad:     # frozen since the wrapper was created: left as it is
+                continue
             if self.self_weight is None:
                 windows.win_update(self._prefix + name)
             else:

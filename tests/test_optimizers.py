@@ -131,6 +131,13 @@ def test_parametrized_layer():
     run_agents(4, "opt_parametrized.py", timeout=120)
 
 
+def test_layer_frozen_after_wrapping_is_left_alone():
+    """AWC, ATC (neighbor and allreduce) and WinPut stop sending and combining a layer
+    frozen after their creation, as Bluefog does; the other layer goes on mixing like
+    the mixing matrix says (tests/workers/opt_frozen.py)."""
+    run_agents(4, "opt_frozen.py", timeout=150)
+
+
 def test_two_backward_passes_before_step():
     """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
     Also: an optimizer parameter outside the model is stepped like torch.optim does."""

@@ -1,0 +1,64 @@
+"""A layer frozen (requires_grad_(False)) after its wrapper was created is left alone
+from the next pass on, as in Bluefog: AWC and ATC (neighbor_allreduce, and allreduce in
+its fixed order) and WinPut neither send nor combine it. lr 0 and different parameters
+on every agent: each step only mixes, so after s steps the communicated parameters are
+(M^T)^s x0 (M: the mixing matrix W, or 1/n everywhere for allreduce); the first layer,
+frozen after FROZEN_AT steps, keeps (M^T)^FROZEN_AT x0 while the second goes on."""
+import numpy as np
+import torch
+
+import bluefog_lite as bf
+import topology
+
+bf.init()
+rank, size = bf.rank(), bf.size()
+W = topology.mixing_matrix(bf.load_topology())
+STEPS, FROZEN_AT = 5, 2
+
+
+def make(r):
+    torch.manual_seed(20 + r)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4, dtype=torch.float64), torch.nn.Tanh(),
+                               torch.nn.Linear(4, 2, dtype=torch.float64))
+
+
+def flat(layer):
+    return torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
+
+
+first0 = np.stack([flat(make(r)[0]) for r in range(size)])
+second0 = np.stack([flat(make(r)[2]) for r in range(size)])
+neighbor, allreduce = bf.CommunicationType.neighbor_allreduce, bf.CommunicationType.allreduce
+for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
+                      (bf.DistributedAdaptWithCombineOptimizer, allreduce),
+                      (bf.DistributedAdaptThenCombineOptimizer, neighbor),
+                      (bf.DistributedAdaptThenCombineOptimizer, allreduce),
+                      (bf.DistributedWinPutOptimizer, None)):
+    M = np.full((size, size), 1.0 / size) if comm is allreduce else W
+    model = make(rank)
+    base = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt = wrapper(base, model) if comm is None else wrapper(base, model, comm)
+    what = f"{wrapper.__name__} {comm}"
+    for s in range(1, STEPS + 1):
+        if s == FROZEN_AT + 1:
+            model[0].requires_grad_(False)
+        opt.zero_grad()
+        model(torch.ones(5, 3, dtype=torch.float64)).sum().backward()
+        if comm is None:
+            for _, h in list(opt._handles.values()):    # every put has landed before anyone combines
+                bf.win_wait(h)
+            opt._handles.clear()
+            bf.barrier()
+        opt.step()
+        if comm is None:
+            bf.barrier()        # nobody puts the next step's values before everyone combined
+        power = lambda n: np.linalg.matrix_power(M.T, n)  # noqa: E731
+        np.testing.assert_allclose(flat(model[0]), (power(min(s, FROZEN_AT)) @ first0)[rank],
+                                   rtol=1e-12, atol=1e-12, err_msg=f"{what}: frozen layer after step {s}")
+        np.testing.assert_allclose(flat(model[2]), (power(s) @ second0)[rank],
+                                   rtol=1e-12, atol=1e-12, err_msg=f"{what}: trained layer after step {s}")
+    if comm is None:
+        opt.free_windows()
+    opt.remove_hooks()
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
