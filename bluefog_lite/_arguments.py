@@ -72,7 +72,10 @@ def _weight(w, what):
     w = _item(w)
     if isinstance(w, bool) or not isinstance(w, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {w!r}")
-    w = float(w)
+    try:
+        w = float(w)
+    except OverflowError:       # (an int or Fraction)
+        raise ValueError(f"{what} must be finite, got a number beyond float's range") from None
     if not math.isfinite(w):
         raise ValueError(f"{what} must be finite, got {w}")
     return w

@@ -86,13 +86,18 @@ def _raise_other_kind(op, e):
 
 
 def _convex(self_weight, terms):
-    """True when self_weight and the (positive) term weights sum to 1."""
+    """True when self_weight and the (positive) term weights sum to 1, but for the
+    rounding of their sum: the lerp chain divides by the sum, so weights further
+    from 1 would come back normalized."""
     total = self_weight
     for _, w in terms:
         if w <= 0:
             return False
         total += w
-    return abs(total - 1.0) < 1e-9
+    return abs(total - 1.0) <= 4 * (len(terms) + 1) * _EPS64
+
+
+_EPS64 = 2.0 ** -52
 
 
 def weighted_sum(out, x, self_weight, terms):

@@ -251,6 +251,7 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("nar_static", 1, "TypeError", "cannot average bool tensors", [2, 3]),
     ("nar_checked", 2, "ValueError", "rank in src_weights 9 is out of range", [0, 1, 3]),
     ("nar_unchecked", 3, "ValueError", "self_weight must be finite", [0]),
+    ("nar_huge", 3, "ValueError", "self_weight must be finite, got a number beyond float's range", [0]),
     ("nar_numpy_ranks", 1, "TypeError", "dst_weights must be a dict", [2]),
     ("nag_static", 0, "ValueError", "at least one dimension", [1, 2]),
     ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),

@@ -7,8 +7,11 @@ import torch
 
 from bluefog_lite._tasks import weighted_sum
 
+# (weights summing to 1 + 5e-10 are not convex: used as given, not normalized by the
+# lerp chain, which would be off by 5e-10 relative)
 CASES = [(0.5, [0.5]), (1 / 3, [1 / 3, 1 / 3]), (0.0, [0.5, 0.5]), (0.2, [0.3, 0.0, 0.5]),
-         (0.25, [0.25, 0.25, 0.25]), (0.5, [0.7]), (-0.1, [1.1]), (1.0, []), (0.3, [0.3])]
+         (0.25, [0.25, 0.25, 0.25]), (0.5, [0.7]), (-0.1, [1.1]), (1.0, []), (0.3, [0.3]),
+         (0.4, [0.3, 0.3 + 5e-10]), (0.1, [0.1] * 9)]
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-6), (np.float64, 1e-14)])

@@ -237,6 +237,10 @@ ONE_AGENT_NEIGHBOR = (
         X, **dict(RING, self_weight=math.nan if bad == RANK else 0.5), enable_topo_check=False, name="one.unc"),
      3, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.unc"),
      lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
+    ("one_agent.nar_huge", lambda bad: bf.neighbor_allreduce(      # an int no float holds
+        X, **dict(RING, self_weight=10 ** 400 if bad == RANK else 0.5), enable_topo_check=False, name="one.huge"),
+     3, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.huge"),
+     lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
     ("one_agent.nar_numpy_ranks", lambda bad: bf.neighbor_allreduce(
         X, **dict(RING, dst_weights=np.array(RING["dst_weights"]) if bad == RANK else RING["dst_weights"]),
         enable_topo_check=False, name="one.np"),
