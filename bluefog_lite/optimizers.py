@@ -540,20 +540,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.timeline_changed()
 
 
+def _communication_type(value):
+    if not isinstance(value, CommunicationType):
+        raise TypeError(f"communication_type must be a bf.CommunicationType, got {value!r}")
+
+
 class _ParameterCommunicator(_DistributedOptimizer):
     """Common part of AWC and ATC: communicate a parameter with the chosen op."""
 
     def __init__(self, optimizer, model, communication_type, num_steps_per_communication, backward=False,
                  name_prefix=None):
         """backward: parameters become ready in backward order (else forward order)."""
-        if not isinstance(communication_type, CommunicationType):
-            raise TypeError(f"communication_type must be a bf.CommunicationType, got {communication_type!r}")
+        _communication_type(communication_type)
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
+        self._backward = backward
         self.communication_type = communication_type
-        if communication_type is CommunicationType.allreduce:
+
+    @property
+    def communication_type(self):
+        return self._communication_type
+
+    @communication_type.setter
+    def communication_type(self, value):
+        """Bluefog's setter: another op from the next round on (allreduce starts the
+        parameters in a fixed order, see _InOrder)."""
+        _communication_type(value)
+        if self._handles or (self._in_order is not None and (self._in_order.next or self._in_order.waiting)):
+            raise RuntimeError("communication_type can change between steps, not while a step's communication "
+                               "is in flight (after a forward or backward pass, before step() or synchronize())")
+        self._communication_type = value
+        self._in_order = None
+        if value is CommunicationType.allreduce:
             names = [n for n, _ in self._named]
-            self._in_order = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass,
-                                      self._param_of, skip_frozen=True)
+            self._in_order = _InOrder(names[::-1] if self._backward else names, self._start,
+                                      self._refuse_second_pass, self._param_of, skip_frozen=True)
 
     def _launch(self, name, p):
         self._synced = False        # a new round (even while the fixed order holds it back)

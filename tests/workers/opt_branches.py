@@ -25,6 +25,8 @@ import topology as topo
 bf.init()
 rank, size = bf.rank(), bf.size()
 wrapper, comm = sys.argv[1], sys.argv[2]     # comm: "ar" (allreduce) or "nar" (neighbor_allreduce)
+# "ar_set": allreduce set after creation (Bluefog's communication_type setter)
+comm, set_later = ("ar", True) if comm == "ar_set" else (comm, False)
 # combine(values, r): what agent r gets from the agents' values
 W = topo.mixing_matrix(bf.load_topology()) if comm == "nar" else None
 
@@ -107,6 +109,14 @@ ar = bf.CommunicationType.allreduce if comm == "ar" else bf.CommunicationType.ne
 opt = {"gar": lambda: bf.DistributedGradientAllreduceOptimizer(sgd, model),
        "awc": lambda: bf.DistributedAdaptWithCombineOptimizer(sgd, model, communication_type=ar),
        "atc": lambda: bf.DistributedAdaptThenCombineOptimizer(sgd, model, communication_type=ar)}[wrapper]()
+if set_later:
+    opt.communication_type = bf.CommunicationType.neighbor_allreduce
+    opt.communication_type = ar
+    try:
+        opt.communication_type = "allreduce"
+        raise AssertionError("a communication_type that is not a bf.CommunicationType was taken")
+    except TypeError as e:
+        assert "must be a bf.CommunicationType, got 'allreduce'" in str(e), e
 for t in range(STEPS):
     opt.zero_grad()
     loss_of(model, rank, t).backward()
