@@ -160,6 +160,10 @@ class _InOrder:
             if not self._left_out(n):
                 self.start(n, self.waiting.pop(n) if n in self.waiting else self.param_of[n])
 
+    def started(self):
+        """Something of this round was started or is waiting to be."""
+        return bool(self.next or self.waiting)
+
     def new_round(self):
         self.next = 0
         self.waiting.clear()
@@ -404,7 +408,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         by step()). Collectives started in the fixed order are all started first, so
         that every agent makes the same calls whichever parameters its pass used."""
         try:
-            if self._in_order is not None and (self._in_order.next or self._in_order.waiting):
+            if self._in_order is not None and self._in_order.started():
                 self._in_order.finish()
             self._all_handles(lambda p, handle: self._wait(handle))
         finally:
@@ -540,7 +544,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.timeline_changed()
 
 
-def _communication_type(value):
+def _check_communication_type(value):
     if not isinstance(value, CommunicationType):
         raise TypeError(f"communication_type must be a bf.CommunicationType, got {value!r}")
 
@@ -551,7 +555,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
     def __init__(self, optimizer, model, communication_type, num_steps_per_communication, backward=False,
                  name_prefix=None):
         """backward: parameters become ready in backward order (else forward order)."""
-        _communication_type(communication_type)
+        _check_communication_type(communication_type)
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._backward = backward
         self.communication_type = communication_type
@@ -564,8 +568,8 @@ class _ParameterCommunicator(_DistributedOptimizer):
     def communication_type(self, value):
         """Bluefog's setter: another op from the next round on (allreduce starts the
         parameters in a fixed order, see _InOrder)."""
-        _communication_type(value)
-        if self._handles or (self._in_order is not None and (self._in_order.next or self._in_order.waiting)):
+        _check_communication_type(value)
+        if self._handles or (self._in_order is not None and self._in_order.started()):
             raise RuntimeError("communication_type can change between steps, not while a step's communication "
                                "is in flight (after a forward or backward pass, before step() or synchronize())")
         self._communication_type = value
@@ -881,7 +885,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         name, grad, version = self._averaged.pop(id(p), (None, p.grad, None))
         if p.grad is not grad or (version is not None and grad._version != version):
             # The allreduce reads the gradient until it is done: a change made meanwhile
-            # (clip_grad_norm_, GradScaler.unscale_ before step()) would be lost or half taken.
+            # (clip_grad_norm_ before step()) would be lost or half taken.
             raise RuntimeError(
                 f"the gradient of {name!r} was changed after backward() started averaging it (clipped or "
                 "replaced before step()), so its average would undo the change or take part of it. "
