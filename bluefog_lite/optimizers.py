@@ -101,7 +101,7 @@ class _AfterForward(CopiedInert):
         if not module.training or not torch.is_grad_enabled() or not wrapper._communicating():
             return
         for name, p in self.own:
-            if name not in wrapper._launched and p.requires_grad:     # (frozen since: left alone)
+            if name not in wrapper._launched and name not in wrapper._round_frozen():
                 self.launch(name, p)
                 wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
 
@@ -119,6 +119,20 @@ class _CountForward(CopiedInert):
             self.counts[self.index] += 1
             self.counts[-1] += 1        # passes since the last step
             self.wrapper._synced = False
+            self.wrapper._round_frozen()
+
+
+class _BeginRound(CopiedInert):
+    """A model's forward pre-hook (ATC's): a training pass begins the round, which
+    takes note of the parameters frozen at that time (_round_frozen)."""
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+
+    def __call__(self, module, inputs):
+        if module.training and torch.is_grad_enabled():
+            self.wrapper._round_frozen()
 
 
 class _InOrder:
@@ -129,17 +143,16 @@ class _InOrder:
     soon as every parameter before it in the order has; finish() (in step())
     starts the rest. Where the hooks fire in the fixed order, nothing waits."""
 
-    def __init__(self, names, start, refuse, param_of, skip_frozen):
+    def __init__(self, names, start, refuse, param_of, left_out=None):
         """refuse(name) raises: the parameter became ready twice in one round.
-        skip_frozen: a parameter that does not require gradients (frozen after the
-        wrapper was created) is left out of the round."""
+        left_out(): the names left out of this round (frozen parameters)."""
         self.order, self.start, self.refuse = names, start, refuse
-        self.param_of, self.skip_frozen = param_of, skip_frozen
+        self.param_of, self.left_out = param_of, left_out
         self.next = 0           # index in order of the next parameter to start
         self.waiting = {}       # name -> param: ready, waiting for earlier ones
 
     def _left_out(self, name):
-        return self.skip_frozen and not self.param_of[name].requires_grad
+        return self.left_out is not None and name in self.left_out()
 
     def ready(self, name, p):
         if name in self.waiting:
@@ -261,6 +274,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps = 0
         self._skip_sync = False
         self._rest_started = False  # _launch_rest has run in this step
+        self._frozen_in_round = None    # see _round_frozen
         self._synced = False        # synchronize() ended the round; no step() or new pass since
         self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
@@ -393,11 +407,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _end_round(self):
         """After this round's communication: the next pass starts a new one, one step
         further in the communication period (also when step() does not follow)."""
-        self._rest_started = False
-        if self._in_order is not None:
-            self._in_order.new_round()
+        self._round_over()
         self._synced = True
         self._advance_period()
+
+    def _round_over(self):
+        """This round's communication is done (or dropped): the next pass begins another."""
+        self._rest_started = False
+        self._frozen_in_round = None
+        if self._in_order is not None:
+            self._in_order.new_round()
+
+    def _round_begun(self):
+        return bool(self._handles or self._frozen_in_round is not None
+                    or (self._in_order is not None and self._in_order.started()))
+
+    def _round_frozen(self):
+        """The parameters frozen since the wrapper was created (requires_grad_(False)),
+        as they were when this round began (its first training pass): AWC, ATC and WinPut
+        leave them out of the round. Taken once per round, so that every agent leaves out
+        the same ones whenever in the step they were frozen or unfrozen."""
+        if self._frozen_in_round is None:
+            self._frozen_in_round = frozenset(n for n, p in self._named if not p.requires_grad)
+        return self._frozen_in_round
 
     def _advance_period(self):
         """Once per round: one step more (num_steps_per_communication counts them)."""
@@ -412,9 +444,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._in_order.finish()
             self._all_handles(lambda p, handle: self._wait(handle))
         finally:
-            self._rest_started = False
-            if self._in_order is not None:
-                self._in_order.new_round()
+            self._round_over()
 
     def _started(self, name, p, handle):
         """Keep a handle of this round (something new to synchronize)."""
@@ -429,9 +459,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             ops._finish_all(pairs, lambda pair: finish(*pair))
         except Exception:
-            self._rest_started = False
-            if self._in_order is not None:
-                self._in_order.new_round()
+            self._round_over()
             raise
 
     def _step_synchronize(self):
@@ -466,9 +494,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.copy_(result)
 
     def _finish_step(self):
-        self._rest_started = False
-        if self._in_order is not None:
-            self._in_order.new_round()
+        self._round_over()
         if not self._synced:        # (no synchronize() ended this step's round)
             self._advance_period()
         self._synced = False
@@ -558,26 +584,36 @@ class _ParameterCommunicator(_DistributedOptimizer):
         _check_communication_type(communication_type)
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._backward = backward
+        self._next_type = None      # set during a round: the communication_type of the next
         self.communication_type = communication_type
 
     @property
     def communication_type(self):
-        return self._communication_type
+        return self._communication_type if self._next_type is None else self._next_type
 
     @communication_type.setter
     def communication_type(self, value):
-        """Bluefog's setter: another op from the next round on (allreduce starts the
-        parameters in a fixed order, see _InOrder)."""
+        """Bluefog's setter: set between steps, the next pass uses it; set during a
+        step (after its forward pass), the next round does, so that this round's
+        communication stays the same on every agent."""
         _check_communication_type(value)
-        if self._handles or (self._in_order is not None and self._in_order.started()):
-            raise RuntimeError("communication_type can change between steps, not while a step's communication "
-                               "is in flight (after a forward or backward pass, before step() or synchronize())")
+        self._next_type = value
+        if not self._round_begun():
+            self._switch_type()
+
+    def _switch_type(self):
+        value, self._next_type = self._next_type, None
         self._communication_type = value
         self._in_order = None
-        if value is CommunicationType.allreduce:
+        if value is CommunicationType.allreduce:     # (started in a fixed order: see _InOrder)
             names = [n for n, _ in self._named]
             self._in_order = _InOrder(names[::-1] if self._backward else names, self._start,
-                                      self._refuse_second_pass, self._param_of, skip_frozen=True)
+                                      self._refuse_second_pass, self._param_of, self._round_frozen)
+
+    def _round_over(self):
+        super()._round_over()
+        if self._next_type is not None:
+            self._switch_type()
 
     def _launch(self, name, p):
         self._synced = False        # a new round (even while the fixed order holds it back)
@@ -588,7 +624,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
 
     def _start(self, name, p):
         self._check_no_pending(name)
-        ct = self.communication_type
+        ct = self._communication_type
         x = p.detach()
         if ct is CommunicationType.empty:
             return
@@ -614,7 +650,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
             self._in_order.finish()
         else:
             for name, p in self._named:
-                if name not in self._handles and name not in self._launched and p.requires_grad:
+                if name not in self._handles and name not in self._launched and name not in self._round_frozen():
                     self._start(name, p)
         self._launched = set()
 
@@ -713,6 +749,8 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, self._group_of[name])))
+        for m in self._models:
+            self._hooks.append(m.register_forward_pre_hook(_BeginRound(self)))
         self._extra_of = (None, [])     # (groups' shape, _extra's list) as last found
 
     def _extra(self):
@@ -813,7 +851,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         self._filled = set()        # ids of parameters given a zero gradient this step
         self._averaged = {}         # id of a parameter -> (name, its gradient, version) sent this step
         self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass,
-                                  self._param_of, skip_frozen=False)   # (frozen ones: zeros, as in Bluefog)
+                                  self._param_of)   # (frozen ones too: zeros, as in Bluefog)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
 
@@ -846,13 +884,13 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                             f"{type(self).__name__} averages dense gradients only (e.g. nn.Embedding(..., "
                             "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, WinPut)")
         g = p.grad
-        if g.untyped_storage().nbytes() != g.numel() * g.element_size():
-            # a slice of a gradient buffer shared with other parameters (the model joins them
-            # with torch.cat or stack), whose writes would change this one's version too
-            p.grad = g.clone()
         with self._named_after(name):
-            h = ops.allreduce_nonblocking(p.grad, average=True, name=name)
-        self._averaged[id(p)] = (name, p.grad, p.grad._version)
+            h = ops.allreduce_nonblocking(g, average=True, name=name)
+        # A view into a larger buffer (parameters joined by torch.cat or stack in the model,
+        # or gradients kept in one flat buffer) shares its version with the other views,
+        # which change without it: only its replacement is seen.
+        shared = g.untyped_storage().nbytes() != g.numel() * g.element_size()
+        self._averaged[id(p)] = (name, g, None if shared else g._version)
         self._started(name, p, h)
 
     def _launch_rest(self):
@@ -942,13 +980,14 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self._synced:
             return
         self._check_memory()
+        frozen = self._round_frozen()
         for name, p in self._named:
-            if name not in self._handles and name not in self._launched and p.requires_grad:
+            if name not in self._handles and name not in self._launched and name not in frozen:
                 self._put(name, p)
         self._launched = set()
         self._all_handles(lambda p, h: self._wait(h))
-        for name, p in self._named:
-            if not p.requires_grad:     # frozen since the wrapper was created: left as it is
+        for name, _ in self._named:
+            if name in frozen:      # frozen since the wrapper was created: left as it is
                 continue
             if self.self_weight is None:
                 windows.win_update(self._prefix + name)

@@ -60,5 +60,54 @@ for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
     if comm is None:
         opt.free_windows()
     opt.remove_hooks()
+
+# Frozen after the pass, before step() (every agent in the same step), while the agents
+# take different branches: layer x is used by rank 0 only. The round was begun with x
+# unfrozen, so every agent still communicates it in that step (rank 0 after its
+# forward, the others in step()), and no agent from the next step on: no agent waits
+# for another, and x keeps its value.
+class Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(30 + rank)
+        self.a, self.x, self.c = (torch.nn.Linear(2, 2, dtype=torch.float64) for _ in range(3))
+
+    def forward(self, inp):
+        h = self.a(inp)
+        return self.c(self.x(h) if rank == 0 else h)
+
+
+for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
+                      (bf.DistributedAdaptWithCombineOptimizer, allreduce),
+                      (bf.DistributedAdaptThenCombineOptimizer, neighbor),
+                      (bf.DistributedAdaptThenCombineOptimizer, allreduce)):
+    model = Branches()
+    opt = wrapper(torch.optim.SGD(model.parameters(), lr=0.0), model, comm)
+    for s in range(1, 5):
+        opt.zero_grad()
+        model(torch.ones(3, 2, dtype=torch.float64)).sum().backward()
+        if s == 2:
+            model.x.requires_grad_(False)
+        opt.step()
+        if s == 2:
+            frozen_x = flat(model.x)
+    np.testing.assert_array_equal(flat(model.x), frozen_x, err_msg=f"{wrapper.__name__} {comm}")
+    opt.remove_hooks()
+
+# communication_type set during a step (after its pass) applies from the next step, as
+# in Bluefog: this step's round stays neighbor_allreduce on every agent
+model = make(rank)
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, neighbor)
+mean = np.full((size, size), 1.0 / size)
+for s in range(1, 3):
+    opt.zero_grad()
+    model(torch.ones(5, 3, dtype=torch.float64)).sum().backward()
+    if s == 1:
+        opt.communication_type = allreduce
+        assert opt.communication_type is allreduce
+    opt.step()
+    want = ((W.T if s == 1 else mean.T @ W.T) @ second0)[rank]
+    np.testing.assert_allclose(flat(model[2]), want, rtol=1e-12, atol=1e-12, err_msg=f"type change, step {s}")
+opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)

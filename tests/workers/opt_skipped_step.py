@@ -230,5 +230,20 @@ for k in (1, 2):
         want = sum(torch.arange(6, dtype=torch.float64) * (r + 1) + i for r in range(size) for i in range(k)) / size
         torch.testing.assert_close(torch.cat((q.grad, v.grad)), want, msg=lambda m: f"k={k}: {m}")
     opt.remove_hooks()
+
+# gradients kept as views of one flat buffer (zero_grad(set_to_none=False)): the averages
+# are written into the buffer, and each gradient stays a view of it
+lin = torch.nn.Linear(3, 2, dtype=torch.float64)
+flat_grads = torch.zeros(8, dtype=torch.float64)
+lin.weight.grad, lin.bias.grad = flat_grads[:6].view(2, 3), flat_grads[6:]
+opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(lin.parameters(), lr=0.0), lin)
+for s in range(2):
+    opt.zero_grad(set_to_none=False)
+    lin(torch.full((1, 3), float(rank + 1 + s), dtype=torch.float64)).sum().backward()
+    want = bf.allreduce(flat_grads, name=f"flat.{s}")
+    opt.step()
+    assert lin.weight.grad.untyped_storage().data_ptr() == flat_grads.untyped_storage().data_ptr()
+    torch.testing.assert_close(flat_grads, want)
+opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
