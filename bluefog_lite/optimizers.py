@@ -119,12 +119,11 @@ class _CountForward(CopiedInert):
             self.counts[self.index] += 1
             self.counts[-1] += 1        # passes since the last step
             self.wrapper._synced = False
-            self.wrapper._round_frozen()
+            self.wrapper._pass_begins()
 
 
 class _BeginRound(CopiedInert):
-    """A model's forward pre-hook (ATC's): a training pass begins the round, which
-    takes note of the parameters frozen at that time (_round_frozen)."""
+    """A model's forward pre-hook (ATC's): a training pass begins (see _pass_begins)."""
     __slots__ = ("wrapper",)
 
     def __init__(self, wrapper):
@@ -132,7 +131,7 @@ class _BeginRound(CopiedInert):
 
     def __call__(self, module, inputs):
         if module.training and torch.is_grad_enabled():
-            self.wrapper._round_frozen()
+            self.wrapper._pass_begins()
 
 
 class _InOrder:
@@ -275,6 +274,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         self._rest_started = False  # _launch_rest has run in this step
         self._frozen_in_round = None    # see _round_frozen
+        self._launched = set()      # names whose communication a pass started this round
         self._synced = False        # synchronize() ended the round; no step() or new pass since
         self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
@@ -415,21 +415,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """This round's communication is done (or dropped): the next pass begins another."""
         self._rest_started = False
         self._frozen_in_round = None
+        self._launched = set()
         if self._in_order is not None:
             self._in_order.new_round()
 
     def _round_begun(self):
-        return bool(self._handles or self._frozen_in_round is not None
-                    or (self._in_order is not None and self._in_order.started()))
+        """This round's communication has started (or waits in the fixed order)."""
+        return bool(self._handles or (self._in_order is not None and self._in_order.started()))
 
     def _round_frozen(self):
         """The parameters frozen since the wrapper was created (requires_grad_(False)),
-        as they were when this round began (its first training pass): AWC, ATC and WinPut
-        leave them out of the round. Taken once per round, so that every agent leaves out
-        the same ones whenever in the step they were frozen or unfrozen."""
+        as they were when the last training pass before this round's communication
+        began (_pass_begins): AWC, ATC and WinPut leave them out of the round. Kept from
+        there, so that every agent leaves out the same ones whenever in the step they
+        are frozen or unfrozen."""
         if self._frozen_in_round is None:
             self._frozen_in_round = frozenset(n for n, p in self._named if not p.requires_grad)
         return self._frozen_in_round
+
+    def _pass_begins(self):
+        """A training pass of the model begins (its forward pre-hook). A pass that starts
+        no communication (another model's pass through this one while it is frozen, as
+        a GAN's generator step does) does not settle what is frozen for the round."""
+        if not self._round_begun():
+            self._frozen_in_round = None
+        self._round_frozen()
 
     def _advance_period(self):
         """Once per round: one step more (num_steps_per_communication counts them)."""
@@ -604,6 +614,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
     def _switch_type(self):
         value, self._next_type = self._next_type, None
         self._communication_type = value
+        self._launched = set()      # (nothing was started: with "empty", a pass marks its parameters)
         self._in_order = None
         if value is CommunicationType.allreduce:     # (started in a fixed order: see _InOrder)
             names = [n for n, _ in self._named]

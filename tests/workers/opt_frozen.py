@@ -94,6 +94,43 @@ for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
     np.testing.assert_array_equal(flat(model.x), frozen_x, err_msg=f"{wrapper.__name__} {comm}")
     opt.remove_hooks()
 
+# A GAN's (or actor-critic's) pattern: D frozen while G's pass goes through it, unfrozen
+# before D's own step. G's pass starts no communication of D, so it does not settle
+# what D's round leaves out: every D step still mixes all of D.
+for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
+                      (bf.DistributedAdaptWithCombineOptimizer, allreduce),
+                      (bf.DistributedAdaptThenCombineOptimizer, neighbor),
+                      (bf.DistributedWinPutOptimizer, None)):
+    M = np.full((size, size), 1.0 / size) if comm is allreduce else W
+    torch.manual_seed(100 + rank)
+    D, G = torch.nn.Linear(3, 1, dtype=torch.float64), torch.nn.Linear(2, 3, dtype=torch.float64)
+    base = torch.optim.SGD(D.parameters(), lr=0.0)
+    opt = wrapper(base, D) if comm is None else wrapper(base, D, comm)
+    for it in range(3):
+        with torch.no_grad():
+            for p in D.parameters():
+                p.add_(rank + it)       # the agents' copies differ before each D step
+        before = bf.allgather(torch.from_numpy(flat(D))[None], name=f"gan.before.{it}").numpy()
+        D.requires_grad_(True)
+        opt.zero_grad()
+        D(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+        if comm is None:
+            for _, h in list(opt._handles.values()):    # every put has landed before anyone combines
+                bf.win_wait(h)
+            opt._handles.clear()
+            bf.barrier()
+        opt.step()
+        if comm is None:
+            bf.barrier()
+        np.testing.assert_allclose(flat(D), (M.T @ before)[rank], rtol=1e-12, atol=1e-12,
+                                   err_msg=f"GAN pattern, {wrapper.__name__} {comm}, D step {it}")
+        D.requires_grad_(False)     # G's pass through D
+        D(G(torch.ones(4, 2, dtype=torch.float64))).sum().backward()
+    D.requires_grad_(True)
+    if comm is None:
+        opt.free_windows()
+    opt.remove_hooks()
+
 # communication_type set during a step (after its pass) applies from the next step, as
 # in Bluefog: this step's round stays neighbor_allreduce on every agent
 model = make(rank)
@@ -108,6 +145,21 @@ for s in range(1, 3):
     opt.step()
     want = ((W.T if s == 1 else mean.T @ W.T) @ second0)[rank]
     np.testing.assert_allclose(flat(model[2]), want, rtol=1e-12, atol=1e-12, err_msg=f"type change, step {s}")
+opt.remove_hooks()
+
+# set between steps, after another model's pass through this one under "empty" (which
+# starts nothing): the next step uses it
+torch.manual_seed(7 + rank)
+D, G = torch.nn.Linear(3, 1, dtype=torch.float64), torch.nn.Linear(2, 3, dtype=torch.float64)
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(D.parameters(), lr=0.0), D,
+                                              bf.CommunicationType.empty)
+D(G(torch.ones(1, 2, dtype=torch.float64))).sum().backward()
+opt.communication_type = allreduce
+opt.zero_grad()
+D(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+before = bf.allgather(torch.from_numpy(flat(D))[None], name="empty.before").numpy()
+opt.step()
+np.testing.assert_allclose(flat(D), before.mean(axis=0), rtol=1e-12, atol=1e-12, err_msg="set after 'empty'")
 opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
