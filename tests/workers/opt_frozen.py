@@ -22,6 +22,19 @@ def make(r):
                                torch.nn.Linear(4, 2, dtype=torch.float64))
 
 
+def step(opt, winput):
+    """opt.step(); for WinPut, as a synchronous reference assumes: every put has landed
+    before anyone combines, and nobody puts the next step's values before all combined."""
+    if winput:
+        for _, h in list(opt._handles.values()):
+            bf.win_wait(h)
+        opt._handles.clear()
+        bf.barrier()
+    opt.step()
+    if winput:
+        bf.barrier()
+
+
 def flat(layer):
     return torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
 
@@ -44,14 +57,7 @@ for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
             model[0].requires_grad_(False)
         opt.zero_grad()
         model(torch.ones(5, 3, dtype=torch.float64)).sum().backward()
-        if comm is None:
-            for _, h in list(opt._handles.values()):    # every put has landed before anyone combines
-                bf.win_wait(h)
-            opt._handles.clear()
-            bf.barrier()
-        opt.step()
-        if comm is None:
-            bf.barrier()        # nobody puts the next step's values before everyone combined
+        step(opt, winput=comm is None)
         power = lambda n: np.linalg.matrix_power(M.T, n)  # noqa: E731
         np.testing.assert_allclose(flat(model[0]), (power(min(s, FROZEN_AT)) @ first0)[rank],
                                    rtol=1e-12, atol=1e-12, err_msg=f"{what}: frozen layer after step {s}")
@@ -114,14 +120,7 @@ for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
         D.requires_grad_(True)
         opt.zero_grad()
         D(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
-        if comm is None:
-            for _, h in list(opt._handles.values()):    # every put has landed before anyone combines
-                bf.win_wait(h)
-            opt._handles.clear()
-            bf.barrier()
-        opt.step()
-        if comm is None:
-            bf.barrier()
+        step(opt, winput=comm is None)
         np.testing.assert_allclose(flat(D), (M.T @ before)[rank], rtol=1e-12, atol=1e-12,
                                    err_msg=f"GAN pattern, {wrapper.__name__} {comm}, D step {it}")
         D.requires_grad_(False)     # G's pass through D
