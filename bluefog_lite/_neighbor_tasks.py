@@ -367,10 +367,11 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
     remote, dtypes = entries[:len(recv_from)], entries[len(recv_from):]
     try:
+        mine = dtype_name(x.dtype)
         for e, dt in zip(remote, dtypes):
             if not e.is_tensor:
                 _raise_if_refused(op, e)
-            if dt.value != dtype_name(x.dtype):
+            if dt.value != mine:
                 raise ValueError(f"{op.kind} {op.name!r}: rank {e.src} passed a tensor of dtype {dt.value} "
                                  f"but this agent has {_describe(x)}; neighbors must pass tensors of the same "
                                  "shape and dtype")

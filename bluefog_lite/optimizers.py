@@ -100,8 +100,9 @@ class _AfterForward(CopiedInert):
         wrapper = self.wrapper
         if not module.training or not torch.is_grad_enabled() or not wrapper._communicating():
             return
+        frozen = wrapper._round_frozen()
         for name, p in self.own:
-            if name not in wrapper._launched and name not in wrapper._round_frozen():
+            if name not in wrapper._launched and name not in frozen:
                 self.launch(name, p)
                 wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
 
@@ -528,7 +529,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _launch_after_forward(self, model, launch):
         """launch(name, p) for each module's own parameters right after its forward,
         once per communicating step (even when forward runs several times)."""
-        self._launched = set()
         for module, params in _forward_owners(model):
             own = [(self._name_of[id(p)], p) for p in params if id(p) in self._name_of]
             if own:
@@ -660,8 +660,9 @@ class _ParameterCommunicator(_DistributedOptimizer):
         if self._in_order is not None:
             self._in_order.finish()
         else:
+            frozen = self._round_frozen()
             for name, p in self._named:
-                if name not in self._handles and name not in self._launched and name not in self._round_frozen():
+                if name not in self._handles and name not in self._launched and name not in frozen:
                     self._start(name, p)
         self._launched = set()
 
@@ -753,7 +754,6 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._local_step = step_function_for(optimizer)
         except NoStepRule as exc:      # no rule for it: Bluefog's opt.register_step_function(f) may come next
             self._local_step = _no_step_rule(exc)
-        self._launched = set()
         self._updated = set()
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -916,18 +916,15 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         without step(): a skipped batch, or a GAN's generator pass through this model):
         the averages are waited for and dropped, and the next pass starts afresh."""
         if self._handles or self._passes:
-            try:
-                self._drop_round()
-            finally:
-                self._passes.clear()
-                self._filled.clear()
-                self._averaged.clear()
+            self._drop_round()
         super().zero_grad(set_to_none)
 
     def _drop_round(self):
         try:
             super()._drop_round()
         finally:
+            self._passes.clear()
+            self._filled.clear()
             self._averaged.clear()
 
     def _apply(self, p, result):
