@@ -26,6 +26,7 @@ _RANK_GUARD_FLAG = "--_rank-guard"
 _NO_STATUS_DIR = "-"
 _PR_SET_PDEATHSIG = 1   # prctl(2)
 _RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_RELAY_AS = {signal.SIGHUP: signal.SIGTERM}     # (Hydra's mpiexec dies of SIGHUP without passing it on)
 # Open MPI does not forward the environment to remote ranks: bfrun forwards what a
 # Python/PyTorch job needs to find the same interpreter and packages and to keep its
 # threading and device settings (names, and prefixes of names).
@@ -406,6 +407,9 @@ def _print_version() -> None:
 def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     """Run the launcher in its own process group; relay SIGINT/SIGTERM/SIGHUP/SIGQUIT
     to it (and, on Linux, the kernel sends it SIGTERM if bfrun is killed outright).
+    SIGHUP goes on as SIGTERM: Hydra passes SIGTERM to the ranks, while SIGHUP kills
+    it at once. A signal ignored when bfrun starts (SIGHUP under nohup) stays ignored,
+    and the launcher inherits that, as it would run without bfrun.
 
     After the first signal the launcher has SHUTDOWN_GRACE_S seconds to stop
     the ranks (Hydra forwards the signal to every rank's process group, and a
@@ -418,12 +422,13 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     def relay(signum, _frame):
         received.append(signum)
         if process:
-            _signal_group(process[0], signum)
+            _signal_group(process[0], _RELAY_AS.get(signum, signum))
 
     previous = {}
     try:
         for signum in _RELAYED_SIGNALS:
-            previous[signum] = signal.signal(signum, relay)
+            if signal.getsignal(signum) != signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, relay)
     except ValueError:  # not the main thread: no relaying possible
         pass
     try:
@@ -433,7 +438,7 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
         except OSError as exc:
             return _fail(f"cannot start the MPI launcher {command[0]!r}: {exc}")
         if received:  # a signal came before the launcher existed
-            _signal_group(process[0], received[0])
+            _signal_group(process[0], _RELAY_AS.get(received[0], received[0]))
         code = _wait_with_deadline(process[0], received)
     finally:
         for signum, handler in previous.items():

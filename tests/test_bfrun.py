@@ -447,6 +447,51 @@ def test_sigquit_is_passed_to_the_launcher(tmp_path):
     assert not alive, "the launcher went on after bfrun got SIGQUIT"
 
 
+def _trapping_launcher(tmp_path):
+    """A launcher that says it is Hydra, writes its pid, and on SIGTERM or SIGHUP
+    writes the signal's name to a file and exits."""
+    pidfile, got = tmp_path / "launcher.pid", tmp_path / "got"
+    path = tmp_path / "mpiexec"
+    path.write_text("#!/bin/sh\n"
+                    "if [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
+                    f"trap 'echo TERM > {got}; exit 0' TERM\ntrap 'echo HUP > {got}; exit 0' HUP\n"
+                    f"echo $$ > {pidfile}\nsleep 60 &\nwait\n")
+    path.chmod(0o755)
+    return str(path), pidfile, got
+
+
+def test_sighup_reaches_the_launcher_as_sigterm(tmp_path):
+    """Hydra's mpiexec dies of SIGHUP at once (the ranks with it); SIGTERM it passes on."""
+    launcher, pidfile, got = _trapping_launcher(tmp_path)
+    env = dict(os.environ, BLUEFOG_MPIEXEC=launcher)
+    proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env)
+    pid = _launcher_pid(pidfile, proc)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=20) == 128 + signal.SIGHUP
+    assert _gone(pid, 10) and got.read_text().strip() == "TERM"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_signal_ignored_at_start_stays_ignored(tmp_path):
+    """nohup bfrun ...: closing the terminal (SIGHUP) leaves the job running, as with
+    nohup mpiexec: bfrun keeps ignoring it, and so does the launcher it starts."""
+    launcher, pidfile, got = _trapping_launcher(tmp_path)
+    env = dict(os.environ, BLUEFOG_MPIEXEC=launcher)
+    proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    pid = _launcher_pid(pidfile, proc)
+    try:
+        status = open(f"/proc/{pid}/status").read()
+        ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        assert proc.poll() is None and not got.exists(), "bfrun passed on a SIGHUP that nohup ignored"
+        assert ignored & (1 << (signal.SIGHUP - 1)), "the launcher does not ignore SIGHUP"
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+        proc.wait(timeout=20)
+
+
 def test_bfrun_runs_through_a_symlink(tmp_path):
     link = tmp_path / "bfrun"
     link.symlink_to(BFRUN)
