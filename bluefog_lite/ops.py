@@ -191,6 +191,30 @@ def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False, sources_known=
     return _submit(kind, name, lambda e, op: _tasks.refused(e, op, exc, list(tell), list(forget)))
 
 
+def refusal_without_sources(self_weight, src_weights, dst_weights, enable_topo_check, hierarchical=False):
+    """The error neighbor_allreduce (hierarchical: hierarchical_neighbor_allreduce,
+    with machine weights) would raise for these weights while unable to read which
+    agents send to it, which refuses its name on this agent from then on (_refuse),
+    or None. The optimizer wrappers check a step's weights with it before starting
+    anything (their names are the parameters': a step set up wrongly on every agent
+    then fails without sending, and the next step can use them)."""
+    if dst_weights is None or enable_topo_check:    # (static, or negotiated: the sources are known)
+        return None
+    st = state()
+    if hierarchical:
+        topo, size, me, kind, unit = (st.machine_topology, st.machine_size, st.machine_rank,
+                                      "hierarchical_neighbor_allreduce", "machine")
+    else:
+        topo, size, me, kind, unit = st.topology, st.size, st.rank, "neighbor_allreduce", "agent"
+    if _peers(topo, False, src_weights, dst_weights, size, me)[2]:
+        return None
+    try:
+        _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit)
+    except (TypeError, ValueError) as exc:
+        return exc
+    return ValueError(f"{kind}: the ranks in the source weights {src_weights!r} cannot be read")
+
+
 def _local_allreduce(name, tensor, average, in_place):
     """allreduce(is_hierarchical_local=True): not a global collective, only this
     machine's agents wait. With bad input they are told (see _refuse). in_place: the

@@ -109,16 +109,19 @@ class _AfterForward(CopiedInert):
 
 class _CountForward(CopiedInert):
     """A model's forward pre-hook: count its training passes (grad enabled) since
-    the wrapper last communicated (see _ForwardCounted); each begins a new round."""
-    __slots__ = ("wrapper", "counts", "index")
+    the wrapper last communicated (see _ForwardCounted); each begins a new round.
+    A pass while all of the model's wrapped parameters are frozen (a GAN generator's
+    pass through the frozen discriminator) does not count, as in Bluefog."""
+    __slots__ = ("wrapper", "counts", "index", "params")
 
-    def __init__(self, wrapper, counts, index):
-        self.wrapper, self.counts, self.index = wrapper, counts, index
+    def __init__(self, wrapper, counts, index, params):
+        self.wrapper, self.counts, self.index, self.params = wrapper, counts, index, params
 
     def __call__(self, module, inputs):
         if module.training and torch.is_grad_enabled():
-            self.counts[self.index] += 1
-            self.counts[-1] += 1        # passes since the last step
+            if any(p.requires_grad for p in self.params):
+                self.counts[self.index] += 1
+                self.counts[-1] += 1    # passes since the last step
             self.wrapper._synced = False
             self.wrapper._pass_begins()
 
@@ -207,6 +210,22 @@ def _check_not_wrapped(model):
                          "call its remove_hooks() before wrapping the model again")
 
 
+def _check_not_shared(named):
+    """A parameter that another wrapper communicates already (this model is part of
+    that one's, or shares a layer with it) would be averaged twice per step: refused
+    while that wrapper's hooks are in place. named: this wrapper's (name, param)."""
+    mine = {id(p): n for n, p in named}
+    for ref in list(_wrapper_of.values()):
+        other = ref()
+        if other is not None and other._hooks:
+            shared = [mine[id(p)] for _, p in other._named if id(p) in mine]
+            if shared:
+                raise ValueError(
+                    f"parameters {shared[:5]} of the model are communicated by a {type(other).__name__} already "
+                    "(its model contains them or shares them), so they would be averaged twice per step: wrap "
+                    "the models in one wrapper (a list of models), or call the other's remove_hooks() first")
+
+
 class _ReadThrough:
     """An attribute of a wrapper that is the wrapped optimizer's, read and written
     through to it (before the wrapping, while Optimizer.__init__ runs, the wrapper's
@@ -266,6 +285,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                "(the wrapper runs its communication under the name)")
         for m in self._models:
             _check_not_wrapped(m)
+        _check_not_shared(self._named)
         for m in self._models:
             _wrapper_of[m] = weakref.ref(self)
         self._name_of = {id(p): n for n, p in self._named}
@@ -595,6 +615,12 @@ class _ParameterCommunicator(_DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._backward = backward
         self._next_type = None      # set during a round: the communication_type of the next
+        names = [n for n, _ in self._named]
+        # (used in a round whose collectives must start in one order: see _set_round)
+        self._ordered = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass,
+                                 self._param_of, self._round_frozen)
+        self._round_set = False     # _set_round has run in this round
+        self._refused = None        # the error of a round refused before it sent anything
         self.communication_type = communication_type
 
     @property
@@ -615,19 +641,40 @@ class _ParameterCommunicator(_DistributedOptimizer):
         value, self._next_type = self._next_type, None
         self._communication_type = value
         self._launched = set()      # (nothing was started: with "empty", a pass marks its parameters)
-        self._in_order = None
-        if value is CommunicationType.allreduce:     # (started in a fixed order: see _InOrder)
-            names = [n for n, _ in self._named]
-            self._in_order = _InOrder(names[::-1] if self._backward else names, self._start,
-                                      self._refuse_second_pass, self._param_of, self._round_frozen)
 
     def _round_over(self):
         super()._round_over()
+        self._in_order, self._round_set, self._refused = None, False, None
         if self._next_type is not None:
             self._switch_type()
 
+    def _set_round(self):
+        """At the round's first launch, from the step's knobs (the same on every agent):
+        collectives start in the fixed order (_InOrder): allreduces, and a dynamic step's
+        topology check (enable_topo_check), both matched across agents by their order.
+        Knobs that name no readable source ranks refuse the round before anything is
+        sent (see ops.refusal_without_sources): set so on every agent, the step fails
+        everywhere and the next one starts afresh."""
+        if self._round_set:
+            return
+        self._round_set = True
+        ct = self._communication_type
+        if ct is CommunicationType.allreduce:
+            self._in_order = self._ordered
+        elif ct is not CommunicationType.empty:
+            hierarchical = ct is CommunicationType.hierarchical_neighbor_allreduce
+            src, dst = ((self.src_machine_weights, self.dst_machine_weights) if hierarchical else
+                        (self.src_weights, self.dst_weights))
+            self._refused = ops.refusal_without_sources(self.self_weight, src, dst, self.enable_topo_check,
+                                                        hierarchical)
+            if dst is not None and self.enable_topo_check:
+                self._in_order = self._ordered
+
     def _launch(self, name, p):
         self._synced = False        # a new round (even while the fixed order holds it back)
+        self._set_round()
+        if self._refused is not None:
+            return
         if self._in_order is not None:
             self._in_order.ready(name, p)
         else:
@@ -657,6 +704,11 @@ class _ParameterCommunicator(_DistributedOptimizer):
         """Communicate parameters whose hook did not fire (unused in this pass), in a fixed order."""
         if not self._communicating():
             return
+        self._set_round()
+        if self._refused is not None:
+            refused = self._refused
+            self._round_over()      # (nothing was sent)
+            raise refused
         if self._in_order is not None:
             self._in_order.finish()
         else:
@@ -679,7 +731,8 @@ class _ForwardCounted:
     def _count_forwards(self):
         self._forwards = [0] * (len(self._models) + 1)    # per model; the last: passes since the last step
         for i, m in enumerate(self._models):
-            self._hooks.append(m.register_forward_pre_hook(_CountForward(self, self._forwards, i)))
+            params = [p for p in m.parameters() if id(p) in self._name_of]
+            self._hooks.append(m.register_forward_pre_hook(_CountForward(self, self._forwards, i, params)))
 
     def _communicating(self):
         """A step that sees no counted pass (the model's submodules are called, not the
@@ -879,7 +932,9 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                     f"num_steps_per_communication={k}: DistributedGradientAllreduceOptimizer averages "
                     f"the gradients of {k} backward pass(es) and then needs step(). Call step() after "
                     "every k backward passes, or set num_steps_per_communication to the number of "
-                    "passes to accumulate" + _REENTRANT_HINT)
+                    "passes to accumulate. A backward pass through this model for another optimizer (a GAN "
+                    "generator's step through the discriminator) counts too: drop its gradients with this "
+                    "wrapper's zero_grad() (the model's zero_grad() does not tell the wrapper)" + _REENTRANT_HINT)
             self._passes[name] = n
             if n == k:
                 self._in_order.ready(name, p)

@@ -47,12 +47,14 @@ def test_step_with_closure_equals_an_explicit_pass():
 
 
 @pytest.mark.parametrize("wrapper,comm", [("gar", "ar"), ("awc", "ar"), ("atc", "ar"), ("awc", "nar"),
-                                          ("atc", "nar"), ("awc", "ar_set"), ("atc", "ar_set")])
+                                          ("atc", "nar"), ("awc", "ar_set"), ("atc", "ar_set"), ("awc", "dyn"),
+                                          ("atc", "dyn")])
 def test_wrappers_with_data_dependent_branches_match_a_simulation(wrapper, comm):
     """Agents take different branches of the model (and none takes one of them): the
     allreduces still line up, synchronize() before step() starts the unused parameters
     too, and the parameters equal a plain-torch simulation. ar_set: allreduce set with
-    the communication_type attribute after creation (as Bluefog allows)."""
+    the communication_type attribute after creation (as Bluefog allows). dyn: a dynamic
+    one-peer step with enable_topo_check on (its check is a collective, matched by order)."""
     run_agents(4, "opt_branches.py", wrapper, comm, timeout=120)
 
 

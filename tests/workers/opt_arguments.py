@@ -53,6 +53,15 @@ first = AWC(sgd(net.parameters()), net)
 raises(ValueError, "the model already has a DistributedAdaptWithCombineOptimizer communicating its parameters; "
        "call its remove_hooks()", ATC, sgd(net.parameters()), net)
 first.remove_hooks()
+# nor a model that holds its parameters (a part of it, a model containing it, a list with a part)
+seq = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+first = GAR(sgd(seq.parameters()), seq)
+for other in (seq[1], torch.nn.Sequential(seq, torch.nn.Linear(1, 1)), [torch.nn.Linear(1, 1), seq[0]]):
+    raises(ValueError, "of the model are communicated by a DistributedGradientAllreduceOptimizer already (its "
+           "model contains them or shares them), so they would be averaged twice per step", AWC,
+           sgd([p for m in (other if isinstance(other, list) else [other]) for p in m.parameters()]), other,
+           name_prefix="other")
+first.remove_hooks()
 second = ATC(sgd(net.parameters()), net)      # after remove_hooks, a new one may take its place
 second.remove_hooks()
 raises(RuntimeError, "hooks were removed", second.step)   # ATC's local steps ran in its hooks

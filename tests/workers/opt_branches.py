@@ -25,13 +25,22 @@ import topology as topo
 bf.init()
 rank, size = bf.rank(), bf.size()
 wrapper, comm = sys.argv[1], sys.argv[2]     # comm: "ar" (allreduce) or "nar" (neighbor_allreduce)
-# "ar_set": allreduce set after creation (Bluefog's communication_type setter)
+# "ar_set": allreduce set after creation (Bluefog's communication_type setter); "dyn":
+# neighbor_allreduce with a one-peer ring each step (the shift 1, 2, 1, ...: the wrapper's
+# dst_weights/src_weights) and enable_topo_check on, whose check is a collective matched
+# by order (before, the branches' hooks started it in different orders: "different order")
 comm, set_later = ("ar", True) if comm == "ar_set" else (comm, False)
-# combine(values, r): what agent r gets from the agents' values
+# combine(values, r, t): what agent r gets from the agents' values at step t
 W = topo.mixing_matrix(bf.load_topology()) if comm == "nar" else None
 
 
-def combine(values, r):
+def shift(t):
+    return 1 + t % 2
+
+
+def combine(values, r, t):
+    if comm == "dyn":
+        return 0.5 * values[r] + 0.5 * values[(r - shift(t)) % size]
     if W is None:
         return sum(values) / size
     return sum(W[k, r] * values[k] for k in range(size))
@@ -94,10 +103,10 @@ for t in range(STEPS):
                 return x if g[r][n] is None else x - LR * (g[r][n] + WD * x)
             for n in params[0]:
                 if wrapper == "awc":    # combine, then step from the combined value
-                    new = [sgd(combine([params[k][n] for k in range(size)], r), r, n) for r in range(size)]
+                    new = [sgd(combine([params[k][n] for k in range(size)], r, t), r, n) for r in range(size)]
                 else:                   # step, then combine
                     stepped = [sgd(params[k][n], k, n) for k in range(size)]
-                    new = [combine(stepped, r) for r in range(size)]
+                    new = [combine(stepped, r, t) for r in range(size)]
                 for r in range(size):
                     params[r][n].copy_(new[r])
 expected = dict(sims[rank].named_parameters())
@@ -117,7 +126,12 @@ if set_later:
         raise AssertionError("a communication_type that is not a bf.CommunicationType was taken")
     except TypeError as e:
         assert "must be a bf.CommunicationType, got 'allreduce'" in str(e), e
+if comm == "dyn":
+    opt.enable_topo_check = True
 for t in range(STEPS):
+    if comm == "dyn":
+        opt.self_weight, opt.src_weights = 0.5, {(rank - shift(t)) % size: 0.5}
+        opt.dst_weights = [(rank + shift(t)) % size]
     opt.zero_grad()
     loss_of(model, rank, t).backward()
     if t % 2:       # the pattern of gradient clipping: synchronize() must start the unused ones too

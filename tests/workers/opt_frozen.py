@@ -130,6 +130,33 @@ for wrapper, comm in ((bf.DistributedAdaptWithCombineOptimizer, neighbor),
         opt.free_windows()
     opt.remove_hooks()
 
+# The same with num_steps_per_communication=2: G's pass through the frozen D does not
+# count as a pass of D (as in Bluefog, whose counts skip frozen parameters), so D
+# communicates every second D step (before, G's pass counted: every D step after the first).
+for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedWinPutOptimizer):
+    torch.manual_seed(200 + rank)
+    D, G = torch.nn.Linear(3, 1, dtype=torch.float64), torch.nn.Linear(2, 3, dtype=torch.float64)
+    opt = wrapper(torch.optim.SGD(D.parameters(), lr=0.0), D, num_steps_per_communication=2)
+    winput = wrapper is bf.DistributedWinPutOptimizer
+    for it in range(1, 7):
+        with torch.no_grad():
+            for p in D.parameters():
+                p.add_(rank + it)
+        before = bf.allgather(torch.from_numpy(flat(D))[None], name=f"gan2.before.{it}").numpy()
+        D.requires_grad_(True)
+        opt.zero_grad()
+        D(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+        step(opt, winput)
+        want = (W.T @ before)[rank] if it % 2 == 0 else before[rank]
+        np.testing.assert_allclose(flat(D), want, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"GAN pattern, period 2, {wrapper.__name__}, D step {it}")
+        D.requires_grad_(False)     # G's pass through D
+        D(G(torch.ones(4, 2, dtype=torch.float64))).sum().backward()
+    D.requires_grad_(True)
+    if winput:
+        opt.free_windows()
+    opt.remove_hooks()
+
 # communication_type set during a step (after its pass) applies from the next step, as
 # in Bluefog: this step's round stays neighbor_allreduce on every agent
 model = make(rank)
