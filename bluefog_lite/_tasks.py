@@ -162,7 +162,9 @@ def exchange_headers(eng, op, payload, mpi_call=False):
         listing = ", ".join(f"rank {r}: {k} {n!r}" for r, (k, n) in enumerate(calls))
         raise RuntimeError(f"collective operations were called in a different order on different "
                            f"agents (collective #{seq}: {listing}); every agent must issue "
-                           "collectives in the same order with the same names")
+                           "collectives in the same order with the same names (an optimizer wrapper "
+                           "starts the allreduce or topology check of a parameter that an agent's pass did not "
+                           "use only in step(): run no other collective between such a pass and step())")
     bad = [(r, v[2].text) for r, v in enumerate(views) if isinstance(v[2], BadInput)]
     if bad:
         raise failed_everywhere(f"{op.kind} {op.name!r}", bad)
