@@ -109,7 +109,7 @@ class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
                  "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready",
-                 "completed", "at_shutdown")
+                 "completed", "at_shutdown", "done")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -123,6 +123,7 @@ class Op:
         # held while the op runs: a bare lock is ~10x cheaper to create than an Event
         self._pending = _allocate_lock()
         self._pending.acquire()
+        self.done = False      # set before _pending is released (see wait_done)
         self.finished_task = False
         self.coll_seq = None
         self.collective = False   # it will make (or made) an MPI collective call (next_collective)
@@ -135,17 +136,21 @@ class Op:
         self.at_shutdown = False   # shutdown's win_free: no op timeout; see _departures.py
 
     def is_done(self):
-        return not self._pending.locked()
+        return self.done
 
     def wait_done(self, timeout):
-        """True once the op is done (the lock is handed back at once, so any number of
-        waits, polls and synchronizes see it done)."""
+        """True once the op is done. The lock is handed back at once; done is what
+        says it, so that a KeyboardInterrupt between taking the lock and handing it
+        back (Ctrl-C caught around synchronize) leaves the op done, not in flight."""
+        if self.done:
+            return True
         if self._pending.acquire(timeout=timeout):
             self._pending.release()
             return True
         return False
 
     def set_done(self):
+        self.done = True
         self._pending.release()
 
 

@@ -146,6 +146,13 @@ def test_a_busy_poll_loop_lets_the_communication_thread_run():
     run_agents(2, "runtime_poll_loop.py", timeout=90)
 
 
+def test_an_operation_interrupted_in_synchronize_stays_done():
+    """Ctrl-C caught around synchronize (tests/workers/runtime_interrupted.py): the
+    operation is done, its handle synchronizes again, and nothing counts as in flight."""
+    _, out = run_agents(4, "runtime_interrupted.py", timeout=90)
+    assert "INTERRUPTED" in out, "the KeyboardInterrupt did not reach synchronize: the test tested nothing"
+
+
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
 
