@@ -160,8 +160,9 @@ def _peers(topo, static, srcs, dsts, size, me):
     else the ranks the arguments name."""
     if static:
         return topo.out_ranks, topo.in_ranks, True
-    recvs, whole = _ranks_named(srcs, size, me)
-    return _ranks_named(dsts, size, me)[0], recvs, whole
+    recvs, srcs_whole = _ranks_named(srcs, size, me)
+    sends, dsts_whole = _ranks_named(dsts, size, me)
+    return sends, recvs, srcs_whole and dsts_whole
 
 
 def _overlaps(t):

@@ -159,7 +159,7 @@ def _untainted(st, name):
     (see _refuse): every later call of it would take queued data as its own."""
     why = st.engine.tainted.get(name)
     if why is not None:
-        raise ValueError(f"{why}, where this call would take it as its own: use another name")
+        raise ValueError(f"{why}: use another name")
 
 
 class _Refused(Exception):
@@ -171,34 +171,37 @@ class _Refused(Exception):
         self.handle = handle
 
 
-def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False, sources_known=True):
+def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False, peers_known=True):
     """The handle of the op of an agent whose arguments to a neighbor operation were
     rejected with exc (TypeError or ValueError). The op raises exc, but first the
     agents that would wait for this agent learn why and raise too: each (rank, key) of
     tell gets a note instead of the data; the inputs this agent would have received,
     forget, are dropped when they come (they must not feed its next call of the name).
     negotiate: the operation starts with a collective topology check, which this
-    agent joins with its error (then nobody sends data). sources_known=False (its
-    source weights or ranks could not be read): what its senders send for this call
-    cannot be told apart from their next call's, so the name is refused from then on
-    on this agent (_untainted) rather than give a later call a stale input."""
+    agent joins with its error (then nobody sends data). peers_known=False (its source
+    or destination weights or ranks could not be read): what its senders send for this
+    call cannot be told apart from their next call's (they may have sent data, a note,
+    or, refused the same way, nothing at all, while it drops one arrival), so the name
+    is refused from then on on this agent (_untainted) rather than give a later call
+    another call's input."""
     if negotiate:
         return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, exc))
-    if not sources_known:
+    if not peers_known:
         state().engine.tainted.setdefault(name, (
             f"an earlier {kind} {name!r} of this agent was refused ({type(exc).__name__}) before it could tell "
-            "which agents send to it, so what they sent for that call may still be queued under this name"))
+            "which agents it receives from and sends to, so its calls of this name no longer pair up with its "
+            "neighbors' (this one could take another call's data)"))
     return _submit(kind, name, lambda e, op: _tasks.refused(e, op, exc, list(tell), list(forget)))
 
 
-def refusal_without_sources(self_weight, src_weights, dst_weights, enable_topo_check, hierarchical=False):
+def refusal_without_peers(self_weight, src_weights, dst_weights, enable_topo_check, hierarchical=False):
     """The error neighbor_allreduce (hierarchical: hierarchical_neighbor_allreduce,
     with machine weights) would raise for these weights while unable to read which
-    agents send to it, which refuses its name on this agent from then on (_refuse),
-    or None. The optimizer wrappers check a step's weights with it before starting
-    anything (their names are the parameters': a step set up wrongly on every agent
-    then fails without sending, and the next step can use them)."""
-    if dst_weights is None or enable_topo_check:    # (static, or negotiated: the sources are known)
+    agents it receives from or sends to, which refuses its name on this agent from
+    then on (_refuse), or None. The optimizer wrappers check a step's weights with it
+    before starting anything (their names are the parameters': a step set up wrongly
+    on every agent then fails without sending, and the next step can use them)."""
+    if dst_weights is None or enable_topo_check:    # (static, or negotiated: the peers are known)
         return None
     st = state()
     if hierarchical:
@@ -212,7 +215,7 @@ def refusal_without_sources(self_weight, src_weights, dst_weights, enable_topo_c
         _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit)
     except (TypeError, ValueError) as exc:
         return exc
-    return ValueError(f"{kind}: the ranks in the source weights {src_weights!r} cannot be read")
+    return ValueError(f"{kind}: the ranks of the weights {src_weights!r} and {dst_weights!r} cannot be read")
 
 
 def _local_allreduce(name, tensor, average, in_place):
@@ -402,7 +405,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
             negotiate=bool(enable_topo_check) and dst_weights is not None,
-            sources_known=known)) from exc
+            peers_known=known)) from exc
     return (name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic,
             _devices.delivery(tensor, False, name))
 
@@ -443,7 +446,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
         sends, recvs, known = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
                        [(r, name) for r in recvs], negotiate=check,
-                       sources_known=known)
+                       peers_known=known)
     return _submit("NEIGHBOR_ALLGATHER", name, lambda e, op: _neighbor_tasks.neighbor_allgather(
         e, op, x, list(send_to), list(recv_from), check), deliver=_devices.delivery(tensor, False, name))
 
@@ -503,7 +506,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, neighb
                        local + [(to_rank(m), k) for m in sends for k in _neighbor_tasks.machine_keys(name)],
                        local + [(to_rank(m), k) for m in recvs for k in _neighbor_tasks.machine_keys(name)],
                        negotiate=bool(enable_topo_check) and dst_machine_weights is not None,
-                       sources_known=known)
+                       peers_known=known)
     plan = [(to_rank(m), w) for m, w in plan]
     srcw = {to_rank(m): w for m, w in srcw.items()}
     recv_from = [to_rank(m) for m in recv_from]
@@ -539,7 +542,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
     except (TypeError, ValueError) as exc:
         targets, known = _ranks_named([target_rank], st.size, st.rank)
         pair = [(r, name) for r in targets]
-        return _refuse("PAIR_GOSSIP", name, exc, pair, pair, sources_known=known)
+        return _refuse("PAIR_GOSSIP", name, exc, pair, pair, peers_known=known)
     return _submit("PAIR_GOSSIP", name, lambda e, op: _neighbor_tasks.pair_gossip(e, op, x, target, sw, pw),
                    deliver=_devices.delivery(tensor, False, name))
 

@@ -652,9 +652,9 @@ class _ParameterCommunicator(_DistributedOptimizer):
         """At the round's first launch, from the step's knobs (the same on every agent):
         collectives start in the fixed order (_InOrder): allreduces, and a dynamic step's
         topology check (enable_topo_check), both matched across agents by their order.
-        Knobs that name no readable source ranks refuse the round before anything is
-        sent (see ops.refusal_without_sources): set so on every agent, the step fails
-        everywhere and the next one starts afresh."""
+        Knobs whose source or destination ranks cannot be read refuse the round before
+        anything is sent (see ops.refusal_without_peers): set so on every agent, the
+        step fails everywhere and the next one starts afresh."""
         if self._round_set:
             return
         self._round_set = True
@@ -665,7 +665,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
             hierarchical = ct is CommunicationType.hierarchical_neighbor_allreduce
             src, dst = ((self.src_machine_weights, self.dst_machine_weights) if hierarchical else
                         (self.src_weights, self.dst_weights))
-            self._refused = ops.refusal_without_sources(self.self_weight, src, dst, self.enable_topo_check,
+            self._refused = ops.refusal_without_peers(self.self_weight, src, dst, self.enable_topo_check,
                                                         hierarchical)
             if dst is not None and self.enable_topo_check:
                 self._in_order = self._ordered

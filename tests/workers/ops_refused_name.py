@@ -1,5 +1,5 @@
 """A neighbor call refused before it could tell whom it receives from (dynamic mode
-whose source weights are missing) leaves its senders' data for that call queued: the
+whose source weights are missing; or whom it sends to, 1b) leaves its senders' data for that call queued: the
 later calls of the name used to take it as their own, one round late, silently
 (all agents making the mistake, and one agent making it while the others run
 static mode). Now every later call of that name raises on the agents involved, and
@@ -37,6 +37,19 @@ for step in range(1, 3):
 got = bf.neighbor_allreduce(x + 30, self_weight=0.5, src_weights={(r - 1) % n: 0.5}, dst_weights=[(r + 1) % n],
                             enable_topo_check=False, name="b2")
 np.testing.assert_allclose(got.numpy(), np.full(3, 0.5 * (r + 30) + 0.5 * ((r - 1) % n + 30)))
+
+# 1b. every agent: dst_weights naming itself (readable sources, no topology check). Each
+# agent dropped one arrival from its sender for the failed call, which sent nothing (it
+# failed the same way): later calls of the name took the next call's data, one call late,
+# silently, then waited for ever. Now they raise on every agent.
+assert "is this agent itself" in fails(bf.neighbor_allreduce, x, self_weight=0.5, src_weights={(r - 1) % n: 0.5},
+                                dst_weights=[r], enable_topo_check=False, name="s")
+bf.barrier()
+for step in range(1, 3):
+    said = fails(bf.neighbor_allreduce, x + 10 * step, self_weight=0.5, src_weights={(r - 1) % n: 0.5},
+                 dst_weights=[(r + 1) % n], enable_topo_check=False, name="s")
+    assert "an earlier NEIGHBOR_ALLREDUCE 's' of this agent was refused" in said and "use another name" in said, said
+    bf.barrier()
 
 # 2. one agent: dst_machine_weights without the rest, the others in static mode
 kw = dict(dst_machine_weights=[(mr + 1) % M]) if r == 0 else {}

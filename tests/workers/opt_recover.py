@@ -3,7 +3,9 @@ caught) works again from the next step: it behaves exactly as a fresh wrapper on
 same parameters (nothing left in flight, no name in use, no half-finished round).
 Bad knobs: a self_weight that is no number; dst_weights without src_weights (dynamic,
 the topology check off), whose source ranks cannot be read: before, the op refused
-the parameters' names on every agent for the rest of the run."""
+the parameters' names on every agent for the rest of the run; dst_weights naming the
+agent itself: before, the next step waited for ever (each agent dropped its sender's
+next data for the failed step, for which nothing had been sent)."""
 import copy
 import sys
 
@@ -32,8 +34,10 @@ def step(net, dopt):
     dopt.step()
 
 
+n = bf.size()
 BAD = [("self_weight", dict(self_weight="a", src_weights={})),
-       ("dst_weights alone", dict(self_weight=0.5, dst_weights={(rank + 1) % bf.size(): 1.0}))]
+       ("dst_weights alone", dict(self_weight=0.5, dst_weights={(rank + 1) % n: 1.0})),
+       ("dst_weights naming itself", dict(self_weight=0.5, src_weights={(rank - 1) % n: 0.5}, dst_weights=[rank]))]
 start = copy.deepcopy(model.state_dict())
 for what, knobs in BAD:
     model.load_state_dict(start)
