@@ -510,16 +510,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_sync = False
 
-    @contextlib.contextmanager
-    def _stepping(self):
-        """Around step()'s communication and update: after an error the next step
-        starts afresh (synchronizes, and moves the period on, again)."""
-        try:
-            yield
-        except BaseException:
-            self._synced = False
-            raise
-
     def _apply(self, p, result):
         with torch.no_grad():
             p.copy_(result)
@@ -781,9 +771,8 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        with self._stepping():
-            self._step_synchronize()
-            self.optimizer.step()
+        self._step_synchronize()
+        self.optimizer.step()
         self._finish_step()
         return loss
 
@@ -840,7 +829,8 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     "gradient is ready, so it cannot accumulate gradients over several backward passes. "
                     "Call step() after every backward pass (num_steps_per_communication=k gives local "
                     "steps between communications), or use DistributedAdaptWithCombineOptimizer, which "
-                    "steps on the accumulated gradient" + _REENTRANT_HINT)
+                    "steps on the accumulated gradient. After a backward pass that raised, call this wrapper's "
+                    "zero_grad() (not the model's) to finish its round" + _REENTRANT_HINT)
             with torch.no_grad():
                 self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
@@ -874,6 +864,16 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         super()._end_round()
         self._updated.clear()
 
+    def zero_grad(self, set_to_none=True):
+        """After a pass not followed by step() (a backward that raised partway, a skipped
+        batch), the parameters whose gradients were ready are updated and sent already:
+        their round is finished here as step() would finish it (the rest started, the
+        results applied), so that the next pass starts afresh, in step with agents
+        whose pass went through."""
+        if self._updated or self._round_begun():
+            self.synchronize()
+        super().zero_grad(set_to_none)
+
     def step(self, closure=None):
         if self._hooks is None:
             raise RuntimeError("this DistributedAdaptThenCombineOptimizer's hooks were removed (remove_hooks()): "
@@ -885,8 +885,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                 if p.grad is not None:
                     self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
         try:
-            with self._stepping():
-                self._step_synchronize()
+            self._step_synchronize()
         finally:
             self._updated.clear()
         # the wrapped optimizer's step() never runs (its rule ran per parameter): tell a
@@ -1001,12 +1000,11 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        with self._stepping():
-            try:
-                self._step_synchronize()
-            finally:
-                self._passes.clear()
-            self.optimizer.step()
+        try:
+            self._step_synchronize()
+        finally:
+            self._passes.clear()
+        self.optimizer.step()
         self._finish_step()
         return loss
 
@@ -1077,10 +1075,9 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
-        with self._stepping():
-            if self._communicating() and not self._skip_sync:
-                self.synchronize()
-            self.optimizer.step()
+        if self._communicating() and not self._skip_sync:
+            self.synchronize()
+        self.optimizer.step()
         self._finish_step()
         return loss
 

@@ -39,6 +39,13 @@ def test_bluefog_forms_and_plain_optimizer_equivalence(tmp_path):
     run_agents(1, "opt_bluefog_forms.py", timeout=90, env={"BLUEFOG_TIMELINE": str(tmp_path / "t")})
 
 
+def test_training_goes_on_after_a_step_failed_on_every_agent():
+    """A retried step inside skip_synchronize() (AWC, gradient allreduce) and a batch
+    skipped after ATC's backward raised partway match runs without the failure
+    (tests/workers/opt_failed_steps.py)."""
+    run_agents(4, "opt_failed_steps.py", timeout=120)
+
+
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes

@@ -1,0 +1,118 @@
+"""A step that fails on every agent, caught, then training goes on (reference: the
+same wrapper in a run where nothing fails, or where the failure's effect is made
+explicit):
+- AWC and gradient allreduce, synchronize() then step() inside skip_synchronize()
+  (the clipping pattern) whose wrapped step raises once and is retried the same way:
+  the round was synchronized already, so the retry only steps. Before, the failed
+  step marked the round unsynchronized and the retry started the next round's
+  communication and left it in flight ("already has communication in flight" in
+  every later step; with allreduce, averages applied a step late).
+- ATC whose backward pass raises after the last layer's gradient hook ran (it
+  updated and sent that layer): the batch is skipped with zero_grad(), which
+  finishes that round as step() would. Before, every later step raised "received a
+  second gradient before step()". Reference: the failed step as an ATC step in
+  which the first layer's gradient is zero."""
+import copy
+
+import torch
+
+import bluefog_lite as bf
+
+bf.init()
+rank = bf.rank()
+X = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3) * (rank + 1)
+STEPS, FAIL_AT = 5, 1
+
+
+class Flaky(torch.optim.SGD):
+    fail = False
+
+    def step(self, closure=None):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("inner step failed")
+        return super().step(closure)
+
+
+class Check(torch.autograd.Function):
+    """Identity whose backward raises (mode "raise") or gives zeros (mode "zero")."""
+    mode = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Check.mode == "raise":
+            raise FloatingPointError("non-finite gradient")
+        return g * 0 if Check.mode == "zero" else g
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.l1 = torch.nn.Linear(3, 3, dtype=torch.float64)
+        self.l2 = torch.nn.Linear(3, 1, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.l2(Check.apply(torch.tanh(self.l1(x))))
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same(a, b, what):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank}: {what}: {k}: {m}")
+
+
+# skip_synchronize retry
+for make in (lambda o, m: bf.DistributedAdaptWithCombineOptimizer(o, m),
+             lambda o, m: bf.DistributedAdaptWithCombineOptimizer(o, m, bf.CommunicationType.allreduce),
+             lambda o, m: bf.DistributedGradientAllreduceOptimizer(o, m)):
+    results = []
+    for failing in (False, True):
+        model = Net()
+        base = Flaky(model.parameters(), lr=0.1)
+        opt = make(base, model)
+        for t in range(STEPS):
+            opt.zero_grad()
+            model(X).sum().backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            base.fail = failing and t == FAIL_AT
+            with opt.skip_synchronize():
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    assert "inner step failed" in str(e), e
+                    with opt.skip_synchronize():
+                        opt.step()
+            assert not opt._handles, f"rank {rank}: in flight after step {t}: {sorted(opt._handles)}"
+        results.append(state(model))
+        opt.remove_hooks()
+    same(results[1], results[0], f"{type(opt).__name__}: retried step")
+
+# ATC: a backward that raises after l2's hook ran; the batch is skipped
+results = []
+for failing in (False, True):
+    model = Net()
+    opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for t in range(STEPS):
+        opt.zero_grad()
+        Check.mode = ("raise" if failing else "zero") if t == FAIL_AT else None
+        try:
+            model(X).sum().backward()
+        except FloatingPointError:
+            assert failing and t == FAIL_AT
+            continue
+        opt.step()
+    Check.mode = None
+    results.append(state(model))
+    opt.remove_hooks()
+same(results[1], results[0], "ATC: skipped batch")
+bf.shutdown()
+print(f"AGENT OK {rank}", flush=True)
