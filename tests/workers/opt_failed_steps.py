@@ -12,7 +12,6 @@ explicit):
   finishes that round as step() would. Before, every later step raised "received a
   second gradient before step()". Reference: the failed step as an ATC step in
   which the first layer's gradient is zero."""
-import copy
 
 import torch
 
