@@ -324,11 +324,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # on it) replaces both, and a scheduler on the wrapper must set the rates it steps with.
     param_groups = _ReadThrough()
     state = _ReadThrough()
-    # Bluefog's names of the machine knobs
+    # Bluefog's names of the machine knobs, and the older names of its README's dynamic example
     neighbor_machine_weights = property(lambda self: self.src_machine_weights,
                                         lambda self, v: setattr(self, "src_machine_weights", v))
     send_neighbor_machines = property(lambda self: self.dst_machine_weights,
                                       lambda self, v: setattr(self, "dst_machine_weights", v))
+    neighbor_weights = property(lambda self: self.src_weights, lambda self, v: setattr(self, "src_weights", v))
+    send_neighbors = property(lambda self: self.dst_weights, lambda self, v: setattr(self, "dst_weights", v))
 
     # The state is the wrapped optimizer's, plus (under _COUNTERS) where the wrapper
     # stands in its communication period, so that a run resumed from a checkpoint

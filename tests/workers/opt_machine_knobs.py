@@ -1,6 +1,9 @@
 """AWC over hierarchical_neighbor_allreduce steered per step with Bluefog's knob names
 (neighbor_machine_weights, send_neighbor_machines), against numpy: each step is
-x <- 0.6 * (own machine's mean) + 0.4 * (previous machine's mean) - lr * grad."""
+x <- 0.6 * (own machine's mean) + 0.4 * (previous machine's mean) - lr * grad.
+Then AWC over neighbor_allreduce steered with the names of Bluefog's README dynamic
+example (send_neighbors, neighbor_weights): x <- 0.5 * x + 0.5 * x[rank - 1] - lr * grad
+(before, they were ignored without a word, and the wrapper used the static topology)."""
 import numpy as np
 import torch
 
@@ -43,6 +46,20 @@ for step in range(3):
     opt.step()
     mean = [np.mean([X[mm * per + l] for l in range(per)], axis=0) for mm in range(M)]
     X = {r: 0.6 * mean[r // per] + 0.4 * mean[(r // per - 1) % M] - lr * grad(r) for r in X}
+    np.testing.assert_allclose(model.p.detach().numpy(), X[rank], rtol=1e-12, atol=1e-12)
+opt.remove_hooks()
+
+model = Point()
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model)
+n = bf.size()
+X = {r: start(r) for r in range(n)}
+for step in range(3):
+    opt.send_neighbors, opt.neighbor_weights, opt.self_weight = [(rank + 1) % n], {(rank - 1) % n: 0.5}, 0.5
+    assert opt.dst_weights == [(rank + 1) % n] and opt.src_weights == {(rank - 1) % n: 0.5}
+    opt.zero_grad()
+    model().backward()
+    opt.step()
+    X = {r: 0.5 * X[r] + 0.5 * X[(r - 1) % n] - lr * grad(r) for r in X}
     np.testing.assert_allclose(model.p.detach().numpy(), X[rank], rtol=1e-12, atol=1e-12)
 print(f"AGENT OK {rank}", flush=True)
 bf.shutdown()
