@@ -424,6 +424,38 @@ def test_merge_and_summary_of_a_crashed_run(tmp_path, capsys):
         in out, out
 
 
+def test_summary_names_an_agent_killed_between_calls(tmp_path, capsys):
+    """Agent 1 was killed between its first and second call of "x": no slice is left
+    open, but its file has no end mark, and the second call is ranked without it."""
+    prefix = str(tmp_path / "tl_")
+    first = op_call("x", "NEIGHBOR_ALLREDUCE", (10000, 10900), (10050, 10850), (10100, 10800))
+    second = op_call("x", "NEIGHBOR_ALLREDUCE", (20000, 20900), (20050, 20850), (20100, 20800))
+    write_agent(prefix + "0.json", 0, 3, first + second)
+    write_agent(prefix + "1.json", 1, 3, first, crashed=True)
+    write_agent(prefix + "2.json", 2, 3, first + second)
+    code, out, _ = cli(["summary", prefix], capsys)
+    assert code == 0, out
+    assert "files without the writer's end mark (the agent was killed, or is still writing): rank 1" in out, out
+    assert "(ranked among the agents whose file records each call: rank 1 only up to where its file was cut)" \
+        in out, out
+
+
+def test_summary_names_an_agent_whose_file_records_fewer_calls(tmp_path, capsys):
+    """A file closed cleanly but earlier than the others' (timeline_stop on one agent):
+    the calls after its end are ranked without it, and the note says so."""
+    prefix = str(tmp_path / "tl_")
+    calls = [op_call("x", "NEIGHBOR_ALLREDUCE", (t, t + 900), (t + 50, t + 850), (t + 100, t + 800))
+             for t in (10000, 20000, 30000)]
+    write_agent(prefix + "0.json", 0, 3, sum(calls, []))
+    write_agent(prefix + "1.json", 1, 3, calls[0])
+    write_agent(prefix + "2.json", 2, 3, sum(calls, []))
+    code, out, _ = cli(["summary", prefix], capsys)
+    assert code == 0, out
+    assert "end mark" not in out, out
+    assert ("(ranked among the agents whose file records each call: rank 1 not in 2 calls that other agents' "
+            "files record") in out, out
+
+
 # ---- bad input -----------------------------------------------------------------------------
 
 def test_missing_files_are_a_clear_error(tmp_path, capsys):

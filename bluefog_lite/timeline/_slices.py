@@ -15,7 +15,8 @@ Slice.__doc__ = "One slice of a (pid, tid) row, begin/end in µs on rank 0's clo
 class SliceReader:
     """Iterate to get the Slices of an event stream; afterwards ``process_names``
     (pid -> tensor/op name), ``thread_names`` ((pid, tid) -> thread name),
-    ``first``/``last`` (earliest/latest timestamp, µs) and ``unfinished`` are set.
+    ``first``/``last`` (earliest/latest timestamp, µs), ``unfinished`` and ``ended``
+    are set.
 
     Each "E" closes the innermost open "B" of its row (the writer's rule); an
     "E" with nothing open is ignored. offset_us is added to every timestamp."""
@@ -28,6 +29,7 @@ class SliceReader:
         self.first = math.inf
         self.last = -math.inf
         self.unfinished = 0
+        self.ended = False       # the writer's end mark (bluefog_end) was read: a clean close
         self.on_instant = None   # called as on_instant(pid, tid, ts, name) for every "i" event
 
     def __iter__(self):
@@ -78,6 +80,8 @@ class SliceReader:
             self.process_names[ev["pid"]] = str(args.get("name"))
         elif name == "thread_name":
             self.thread_names[(ev["pid"], ev["tid"])] = str(args.get("name"))
+        elif name == "bluefog_end":
+            self.ended = True
 
     def process_name(self, pid):
         return self.process_names.get(pid, f"pid {pid}")

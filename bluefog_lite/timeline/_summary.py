@@ -85,7 +85,7 @@ def _agent_summary(agent, compute):
            "clock_error_us": rtt / 2.0 if isinstance(rtt, (int, float)) else None,
            "window_ms": window / 1000.0, "time_ms": time_ms,
            "idle_ms": (window - _intervals.length(busy)) / 1000.0,
-           "overlap_percent": overlap, "unfinished_slices": reader.unfinished}
+           "overlap_percent": overlap, "unfinished_slices": reader.unfinished, "ended": reader.ended}
     return row, records.finish(reader.process_name).arrivals
 
 
@@ -103,6 +103,7 @@ def stragglers(arrivals):
     total_last = collections.Counter()
     total_held = collections.Counter()
     total_calls = collections.Counter()
+    total_missed = collections.Counter()     # calls ranked without an agent whose file has other calls of the op
     for key in sorted({k for per_agent in arrivals.values() for k in per_agent}):
         if key[1] not in EXCHANGE_KINDS:
             continue
@@ -113,6 +114,7 @@ def stragglers(arrivals):
             if len(called) < 2:
                 continue
             calls += 1
+            total_missed.update(r for r, c in columns.items() if k >= len(c))
             (t2, _), (t1, r_last) = called[-2], called[-1]
             last[r_last] += 1
             held[r_last] += t1 - t2
@@ -126,7 +128,7 @@ def stragglers(arrivals):
                     "last": [{"rank": r, "times": n, "held_up_ms": held[r] / 1000.0}
                              for r, n in sorted(last.items(), key=lambda x: (-x[1], -held[x[0]], x[0]))]})
     ranking = [{"rank": r, "times_last": total_last[r], "calls": total_calls[r],
-                "held_up_ms": total_held[r] / 1000.0}
+                "held_up_ms": total_held[r] / 1000.0, "calls_missing": total_missed[r]}
                for r in sorted(total_calls, key=lambda r: (-total_held[r], -total_last[r], r))]
     return {"operations": ops, "ranking": ranking}
 
@@ -155,16 +157,26 @@ def format_summary(summary):
     if unfinished:
         lines.append("slices never ended (crashed or killed agent; counted up to the file's last "
                      "timestamp): " + ", ".join(unfinished))
+    unended = [f"rank {a['rank']}" for a in agents if not a.get("ended", True)]
+    if unended:
+        lines.append("files without the writer's end mark (the agent was killed, or is still writing): "
+                     + ", ".join(unended))
     lines.append("clock ±us: at most this far off rank 0's clock (half the round trip of the offset "
                  "measurement at init)")
     lines.append("overlap % = time when communication (MPI_*) and compute (" + ", ".join(summary["compute"])
                  + ") ran at once / communication time")
     lines += [""] + _format_stragglers(summary["stragglers"])
-    partial = [f"rank {a['rank']}" for a in agents if a["unfinished_slices"]]
-    if summary["stragglers"]["operations"] and (summary.get("skipped") or partial):
+    cut_ranks = {a["rank"] for a in agents if a["unfinished_slices"] or not a.get("ended", True)}
+    partial = [f"rank {r}" for r in sorted(cut_ranks)]
+    short = [f"rank {x['rank']} not in {x['calls_missing']}" for x in summary["stragglers"]["ranking"]
+             if x.get("calls_missing") and x["rank"] not in cut_ranks]
+    if summary["stragglers"]["operations"] and (summary.get("skipped") or partial or short):
         without = [f"not the agents of the {len(summary['skipped'])} skipped files"] if summary.get("skipped") else []
         cut = [", ".join(partial) + " only up to where its file was cut"] if partial else []
-        lines.append("(ranked among the agents whose file records each call: " + "; ".join(without + cut) + ")")
+        fewer = [", ".join(short) + " calls that other agents' files record (its file began later or ended "
+                 "earlier: timeline_start/timeline_stop)"] if short else []
+        lines.append("(ranked among the agents whose file records each call: " + "; ".join(without + cut + fewer)
+                     + ")")
     return "\n".join(lines) + "\n"
 
 
