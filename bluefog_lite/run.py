@@ -408,8 +408,10 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     """Run the launcher in its own process group; relay SIGINT/SIGTERM/SIGHUP/SIGQUIT
     to it (and, on Linux, the kernel sends it SIGTERM if bfrun is killed outright).
     SIGHUP goes on as SIGTERM: Hydra passes SIGTERM to the ranks, while SIGHUP kills
-    it at once. A signal ignored when bfrun starts (SIGHUP under nohup) stays ignored,
-    and the launcher inherits that, as it would run without bfrun.
+    it at once. A SIGHUP ignored when bfrun starts (nohup) stays ignored, and the
+    launcher inherits that, as it would run without bfrun; SIGINT and SIGQUIT, which
+    a shell script's background jobs start with ignored, are relayed all the same
+    (Hydra takes them whatever it inherits).
 
     After the first signal the launcher has SHUTDOWN_GRACE_S seconds to stop
     the ranks (Hydra forwards the signal to every rank's process group, and a
@@ -427,7 +429,7 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     previous = {}
     try:
         for signum in _RELAYED_SIGNALS:
-            if signal.getsignal(signum) != signal.SIG_IGN:
+            if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:
                 previous[signum] = signal.signal(signum, relay)
     except ValueError:  # not the main thread: no relaying possible
         pass

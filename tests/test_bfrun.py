@@ -492,6 +492,22 @@ def test_a_signal_ignored_at_start_stays_ignored(tmp_path):
         proc.wait(timeout=20)
 
 
+def test_sigint_inherited_ignored_is_still_relayed(tmp_path):
+    """A shell script's background job starts with SIGINT ignored (bfrun ... &; kill
+    -INT): Hydra's mpiexec stops on it all the same, so bfrun relays it."""
+    launcher, pidfile, got = _trapping_launcher(tmp_path)
+    env = dict(os.environ, BLUEFOG_MPIEXEC=launcher)
+    proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    pid = _launcher_pid(pidfile, proc)
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=20) == 128 + signal.SIGINT
+    finally:
+        if not _gone(pid, 10):
+            os.killpg(pid, signal.SIGKILL)
+
+
 def test_bfrun_runs_through_a_symlink(tmp_path):
     link = tmp_path / "bfrun"
     link.symlink_to(BFRUN)
