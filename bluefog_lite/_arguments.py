@@ -29,6 +29,9 @@ def _dense(t, what="tensor"):
         raise TypeError(f"{what} is sparse; pass a dense tensor (layout {t.layout})")
     if t.is_quantized:
         raise TypeError(f"{what} is quantized ({t.dtype}); pass t.dequantize()")
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        raise TypeError(f"{what} is a tensor inside a torch.func transform (grad, vmap, jacrev, ...), which has no "
+                        "data of its own; communicate outside the transform")
     return t
 
 
@@ -146,7 +149,7 @@ def _ranks_named(ranks, size, me):
     if ranks is None:
         return [], False
     try:
-        items = list(ranks.keys() if isinstance(ranks, dict) else ranks)
+        items = [_item(r) for r in (ranks.keys() if isinstance(ranks, dict) else ranks)]   # (0-d tensors: _rank)
     except Exception:       # anything: the caller is already reporting bad arguments
         return [], False
     good = [r for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)

@@ -85,6 +85,13 @@ def _forward_owners(model):
             yield module, params
 
 
+def _training_pass(module):
+    """module runs in a training pass: training mode, grad enabled, and not inside a
+    torch.func transform (grad, vmap, ...: per-sample gradients, an input gradient),
+    whose tensors have no data to communicate and whose passes are not the model's."""
+    return module.training and torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+
+
 class _AfterForward(CopiedInert):
     """A module's forward hook: start the communication of its own parameters, once
     per communicating step. A copy of the module (copy.deepcopy of the model: a
@@ -98,7 +105,7 @@ class _AfterForward(CopiedInert):
 
     def __call__(self, module, inputs, output):
         wrapper = self.wrapper
-        if not module.training or not torch.is_grad_enabled() or not wrapper._communicating():
+        if not _training_pass(module) or not wrapper._communicating():
             return
         frozen = wrapper._round_frozen()
         for name, p in self.own:
@@ -118,7 +125,7 @@ class _CountForward(CopiedInert):
         self.wrapper, self.counts, self.index, self.params = wrapper, counts, index, params
 
     def __call__(self, module, inputs):
-        if module.training and torch.is_grad_enabled():
+        if _training_pass(module):
             if any(p.requires_grad for p in self.params):
                 self.counts[self.index] += 1
                 self.counts[-1] += 1    # passes since the last step
@@ -134,7 +141,7 @@ class _BeginRound(CopiedInert):
         self.wrapper = wrapper
 
     def __call__(self, module, inputs):
-        if module.training and torch.is_grad_enabled():
+        if _training_pass(module):
             self.wrapper._pass_begins()
 
 
@@ -633,6 +640,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
         value, self._next_type = self._next_type, None
         self._communication_type = value
         self._launched = set()      # (nothing was started: with "empty", a pass marks its parameters)
+        self._in_order, self._round_set, self._refused = None, False, None     # (decided again: _set_round)
 
     def _round_over(self):
         super()._round_over()
@@ -799,6 +807,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         except NoStepRule as exc:      # no rule for it: Bluefog's opt.register_step_function(f) may come next
             self._local_step = _no_step_rule(exc)
         self._updated = set()
+        self._backward_open = False     # a backward pass ran a gradient hook and has not ended (or raised)
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
@@ -836,6 +845,9 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             with torch.no_grad():
                 self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
+            if not self._backward_open:
+                self._backward_open = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             if self._communicating():
                 self._launched.add(name)
                 self._launch(name, p)
@@ -862,17 +874,25 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     self._updated.add(name)
         super()._launch_rest()
 
-    def _end_round(self):
-        super()._end_round()
+    def _round_over(self):
+        super()._round_over()
         self._updated.clear()
+        self._backward_open = False
+
+    def _backward_ended(self):
+        """Queued by the first gradient hook of a backward pass: autograd runs it when
+        the pass ends, not when it raises."""
+        self._backward_open = False
 
     def zero_grad(self, set_to_none=True):
-        """After a pass not followed by step() (a backward that raised partway, a skipped
-        batch), the parameters whose gradients were ready are updated and sent already:
-        their round is finished here as step() would finish it (the rest started, the
+        """After a backward pass that raised partway (a batch then skipped), the
+        parameters whose gradients were ready are updated and sent already: their
+        round is finished here as step() would finish it (the rest started, the
         results applied), so that the next pass starts afresh, in step with agents
-        whose pass went through."""
-        if self._updated or self._round_begun():
+        whose pass went through. (A backward pass that ended without step() is not
+        finished here: its local steps cannot be undone, and the next backward pass
+        raises, as plain torch would have dropped its gradients.)"""
+        if self._backward_open and self._hooks is not None:
             self.synchronize()
         super().zero_grad(set_to_none)
 

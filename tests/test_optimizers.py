@@ -46,6 +46,12 @@ def test_training_goes_on_after_a_step_failed_on_every_agent():
     run_agents(4, "opt_failed_steps.py", timeout=120)
 
 
+def test_passes_inside_torch_func_transforms_start_nothing():
+    """Per-sample gradients (vmap(grad(functional_call))) and an input gradient between
+    steps leave every wrapper's results as without them (tests/workers/opt_transforms.py)."""
+    run_agents(4, "opt_transforms.py", timeout=150)
+
+
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes

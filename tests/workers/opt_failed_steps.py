@@ -11,7 +11,8 @@ explicit):
   updated and sent that layer): the batch is skipped with zero_grad(), which
   finishes that round as step() would. Before, every later step raised "received a
   second gradient before step()". Reference: the failed step as an ATC step in
-  which the first layer's gradient is zero."""
+  which the first layer's gradient is zero. A backward pass that ended without
+  step() is not finished by zero_grad(): the next backward raises, as before."""
 
 import torch
 
@@ -113,5 +114,24 @@ for failing in (False, True):
     results.append(state(model))
     opt.remove_hooks()
 same(results[1], results[0], "ATC: skipped batch")
+
+# ATC: a backward pass that ended without step() (an input gradient for an adversarial
+# example) has taken its local steps already; zero_grad() does not finish that round
+# (as plain torch would drop the gradients, it cannot): the next backward raises.
+model = Net()
+opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+x = X.clone().requires_grad_(True)
+model(x).sum().backward()
+opt.zero_grad()
+try:
+    model(X).sum().backward()
+    raise AssertionError("a second backward pass before step() was taken")
+except RuntimeError as e:
+    assert "received a second gradient before step()" in str(e), e
+opt.remove_hooks()
+# a removed wrapper's zero_grad() communicates nothing (that round was dropped)
+before = state(model)
+opt.zero_grad()
+same(state(model), before, "ATC: zero_grad() after remove_hooks()")
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)

@@ -56,6 +56,8 @@ X = {r: start(r) for r in range(n)}
 for step in range(3):
     opt.send_neighbors, opt.neighbor_weights, opt.self_weight = [(rank + 1) % n], {(rank - 1) % n: 0.5}, 0.5
     assert opt.dst_weights == [(rank + 1) % n] and opt.src_weights == {(rank - 1) % n: 0.5}
+    if step == 1:   # ranks computed with torch (0-d tensors), as the operations take them
+        opt.dst_weights = [torch.tensor((rank + 1) % n)]
     opt.zero_grad()
     model().backward()
     opt.step()
