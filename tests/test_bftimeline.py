@@ -392,6 +392,33 @@ def test_no_arrow_ends_in_a_killed_agents_call_whose_first_phase_ended(tmp_path,
     assert arrows == [(1, 2, 0), (2, 1, 0), (2, 1, 1)]      # none into agent 1's last call
 
 
+def test_hierarchical_arrows_start_and_end_in_the_phase_of_their_exchange(tmp_path, capsys):
+    """Two machines of two agents (0, 1 | 2, 3): each call exchanges within the machine
+    in its first COMMUNICATE (1100-1500), then between machines in its second
+    (2000-2800, agent r sends to r +- 2). An arrow between agents of one machine lies in
+    the first on both sides, one between machines in the second. Before, every arrow
+    left at the first's begin and arrived at the second's end (a machine arrow left
+    before the sender had the machine sum it sends)."""
+    prefix = str(tmp_path / "tl_")
+    kind = "HIERARCHICAL_NEIGHBOR_ALLREDUCE"
+    for r in range(4):
+        local, remote = r ^ 1, (r + 2) % 4
+        write_agent(prefix + f"{r}.json", r, 4,
+                    [("h", "main", "ENQUEUE_" + kind, 1000, 3000), ("h", "communication", "MPI_" + kind, 1050, 2900),
+                     ("h", "communication", "COMMUNICATE", 1100, 1500),
+                     ("h", "communication", "COMMUNICATE", 2000, 2800)],
+                    instants=[("h", "communication", f"SEND_TO {local}", 1150),
+                              ("h", "communication", f"SEND_TO {remote}", 2050)])
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    arrows = check_flows(load_json(tmp_path / "m.json"))
+    assert sorted((u - 1, v - 1) for u, v, _, _ in arrows) == sorted(
+        [(r, r ^ 1) for r in range(4)] + [(r, (r + 2) % 4) for r in range(4)])
+    for u, v, start, finish in arrows:
+        phase = (1100, 1500) if (u - 1) ^ 1 == v - 1 else (2000, 2800)
+        assert phase[0] <= start["ts"] <= phase[1] and phase[0] <= finish["ts"] <= phase[1], (u, v, start, finish)
+
+
 def test_streaming_reader_accepts_a_crashed_file(tmp_path):
     prefix = crashed_run(tmp_path)
     path = prefix + "1.json"

@@ -21,12 +21,29 @@ NAN = float("nan")
 
 SEND_TO = "SEND_TO "
 
-Exchanges = collections.namedtuple("Exchanges", "send send_end recv_begin recv tid dsts")
+Exchanges = collections.namedtuple("Exchanges", "send send_end recv_begin recv tid dsts phases")
 Exchanges.__doc__ = """Arrays by occurrence: send = begin of the first COMMUNICATE of the
 MPI_ slice (when this agent posted its data), recv = end of the last one (when
 everything it waited for had arrived; NaN if it never completed), with the ends
 of those slices and the row's tid, to place flow arrows inside them; dsts: the
-ranks the call sent to (a tuple), or None where the file does not say."""
+ranks the call sent to (a tuple), or None where the file does not say; phases:
+for a call of several COMMUNICATE slices (hierarchical_neighbor_allreduce: within
+the machine, then between machines), (begin, end, ended, ranks it marked sending
+to) of each, else None (see phase_of)."""
+
+
+def phase_of(ex, k, peer, sending):
+    """(begin, end) of the COMMUNICATE of call k where this agent sent to peer
+    (sending) or received from it: the slice whose send marks name peer (the
+    exchange within a machine goes both ways), else the first slice for a send and
+    the last for a receive (between machines); None where that slice never ended.
+    Calls of one COMMUNICATE: from send/send_end or recv_begin/recv."""
+    phases = ex.phases[k] if k < len(ex.phases) else None
+    if phases is None:
+        return (ex.send[k], ex.send_end[k]) if sending else (ex.recv_begin[k], ex.recv[k])
+    marked = [p for p in phases if peer in p[3]]
+    begin, end, ended, _ = marked[0] if marked else phases[0 if sending else -1]
+    return (begin, end) if ended or sending else None
 
 
 class AgentExchanges:
@@ -76,7 +93,11 @@ class AgentExchanges:
             marks = [r for _, ranks in marked for r in ranks]
             ex = self._exchanges.get((s.pid, kind))
             if ex is None:
-                ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [])
+                ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [], [])
+            ex.phases.append(tuple(
+                (c.begin, c.end, c.finished and s.finished,
+                 frozenset(r for ts, ranks in marked if c.begin <= ts <= c.end for r in ranks))
+                for c in inside) if len(inside) > 1 else None)
             if inside:
                 first, final = inside[0], inside[-1]
                 ex.send.append(first.begin)

@@ -18,7 +18,7 @@ import math
 import os
 
 from ._agents import find_agents, refuse_as_output
-from ._exchanges import COLLECTIVE_KINDS, AgentExchanges
+from ._exchanges import COLLECTIVE_KINDS, AgentExchanges, phase_of
 from ._reader import iter_events
 from ._slices import SliceReader
 
@@ -182,8 +182,8 @@ def _flow_lines(records, edges):
         n = max(len(recs.exchanges[key].send) for recs in present.values())
         for k in range(n):
             for u, v in _pairs_of_call(present, key, k, kind, pairs, marked):
-                send = _end_point(present[u], records[u][1], key, k, sending=True)
-                recv = _end_point(present[v], records[v][1], key, k, sending=False)
+                send = _end_point(present[u], records[u][1], key, k, v, sending=True)
+                recv = _end_point(present[v], records[v][1], key, k, u, sending=False)
                 if send is None or recv is None:
                     continue
                 flow_id += 1
@@ -221,15 +221,17 @@ def _sent(recs, key, k):
     return dsts[k] if k < len(dsts) else None
 
 
-def _end_point(recs, tids, key, k, sending):
-    """(ts, merged tid) of the send or receive of occurrence k, inside its COMMUNICATE slice."""
+def _end_point(recs, tids, key, k, peer, sending):
+    """(ts, merged tid) of the send to peer or the receive from peer of occurrence k,
+    inside its COMMUNICATE slice."""
     ex = recs.exchanges[key]
     if k >= len(ex.send):
         return None
-    if sending:
-        begin, end, ts = ex.send[k], ex.send_end[k], ex.send[k]
-    else:
-        begin, end, ts = ex.recv_begin[k], ex.recv[k], ex.recv[k]
+    where = phase_of(ex, k, peer, sending)
+    if where is None:
+        return None
+    begin, end = where
+    ts = begin if sending else end
     if math.isnan(begin) or math.isnan(end):
         return None
     inside = min(_INSIDE_US, (end - begin) / 2.0)
