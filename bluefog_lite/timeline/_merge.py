@@ -35,6 +35,9 @@ def merge(prefix, out_path, topology=None, flows=True, allow_missing=False):
     agents = find_agents(prefix, allow_missing)
     refuse_as_output(agents, out_path, "merge")
     counts = {"agents": len(agents), "events": 0, "flows": 0, "skipped": agents.skipped}
+    folder = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {out_path}: its folder {folder} does not exist")
     partial = f"{out_path}.partial"     # moved to out_path once whole
     try:
         _write(prefix, agents, partial, topology, flows, counts)
