@@ -145,6 +145,30 @@ class _BeginRound(CopiedInert):
             self.wrapper._pass_begins()
 
 
+class _WatchBackward(CopiedInert):
+    """ATC's model forward hook: a backward pass that reaches the output of a training
+    pass queues wrapper._backward_ended for its own end (autograd runs it when the
+    pass ends, not when it raises). Queued from the output's autograd node, which the
+    outermost pass runs: a gradient hook may run inside a reentrant checkpoint's inner
+    pass, which ends first."""
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+
+    def __call__(self, module, inputs, output):
+        if not _training_pass(module):
+            return
+        outputs = list(output.values()) if isinstance(output, dict) else \
+            output if isinstance(output, (tuple, list)) else [output]
+        nodes = {id(o.grad_fn): o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(self._reached)
+
+    def _reached(self, grad_outputs):
+        torch.autograd.Variable._execution_engine.queue_callback(self.wrapper._backward_ended)
+
+
 class _InOrder:
     """Starts the allreduce of each parameter in one fixed order, the same on every
     agent: collectives are matched across agents by their order, while the hooks
@@ -815,6 +839,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, self._group_of[name])))
         for m in self._models:
             self._hooks.append(m.register_forward_pre_hook(_BeginRound(self)))
+            self._hooks.append(m.register_forward_hook(_WatchBackward(self)))
         self._extra_of = (None, [])     # (groups' shape, _extra's list) as last found
 
     def _extra(self):
@@ -840,14 +865,16 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     "gradient is ready, so it cannot accumulate gradients over several backward passes. "
                     "Call step() after every backward pass (num_steps_per_communication=k gives local "
                     "steps between communications), or use DistributedAdaptWithCombineOptimizer, which "
-                    "steps on the accumulated gradient. After a backward pass that raised, call this wrapper's "
-                    "zero_grad() (not the model's) to finish its round" + _REENTRANT_HINT)
+                    "steps on the accumulated gradient. " + (
+                        "The backward pass before raised: call this wrapper's zero_grad() (not the model's) "
+                        "before the next pass, to finish that pass's round" if self._backward_open else
+                        "A backward pass made for another purpose (an input gradient: use torch.autograd.grad("
+                        "loss, inputs), which leaves the parameters alone) has updated and sent the parameters "
+                        "already: call step() or synchronize() to finish its round") + _REENTRANT_HINT)
             with torch.no_grad():
                 self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
-            if not self._backward_open:
-                self._backward_open = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._backward_open = True
             if self._communicating():
                 self._launched.add(name)
                 self._launch(name, p)
@@ -880,8 +907,8 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         self._backward_open = False
 
     def _backward_ended(self):
-        """Queued by the first gradient hook of a backward pass: autograd runs it when
-        the pass ends, not when it raises."""
+        """Queued for the end of each backward pass through the model's output
+        (_WatchBackward): autograd runs it when the pass ends, not when it raises."""
         self._backward_open = False
 
     def zero_grad(self, set_to_none=True):

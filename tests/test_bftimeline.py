@@ -480,7 +480,7 @@ def test_summary_names_an_agent_whose_file_records_fewer_calls(tmp_path, capsys)
     assert code == 0, out
     assert "end mark" not in out, out
     assert ("(ranked among the agents whose file records each call: rank 1 not in 2 calls that other agents' "
-            "files record") in out, out
+            "files record (its file ended earlier") in out, out
 
 
 # ---- bad input -----------------------------------------------------------------------------

@@ -173,8 +173,8 @@ def format_summary(summary):
     if summary["stragglers"]["operations"] and (summary.get("skipped") or partial or short):
         without = [f"not the agents of the {len(summary['skipped'])} skipped files"] if summary.get("skipped") else []
         cut = [", ".join(partial) + " only up to where its file was cut"] if partial else []
-        fewer = [", ".join(short) + " calls that other agents' files record (its file began later or ended "
-                 "earlier: timeline_start/timeline_stop)"] if short else []
+        fewer = [", ".join(short) + " calls that other agents' files record (its file ended earlier; had it "
+                 "begun later, its calls were paired with the others' from the first, and misranked)"] if short else []
         lines.append("(ranked among the agents whose file records each call: " + "; ".join(without + cut + fewer)
                      + ")")
     return "\n".join(lines) + "\n"

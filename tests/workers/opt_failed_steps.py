@@ -50,14 +50,18 @@ class Check(torch.autograd.Function):
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, checkpointed=False):
         super().__init__()
         torch.manual_seed(3)
         self.l1 = torch.nn.Linear(3, 3, dtype=torch.float64)
         self.l2 = torch.nn.Linear(3, 1, dtype=torch.float64)
+        self.checkpointed = checkpointed
 
     def forward(self, x):
-        return self.l2(Check.apply(torch.tanh(self.l1(x))))
+        h = Check.apply(torch.tanh(self.l1(x)))
+        if self.checkpointed:   # l2's gradient comes from the checkpoint's own inner backward pass
+            return torch.utils.checkpoint.checkpoint(self.l2, h, use_reentrant=True)
+        return self.l2(h)
 
 
 def state(model):
@@ -96,24 +100,26 @@ for make in (lambda o, m: bf.DistributedAdaptWithCombineOptimizer(o, m),
         opt.remove_hooks()
     same(results[1], results[0], f"{type(opt).__name__}: retried step")
 
-# ATC: a backward that raises after l2's hook ran; the batch is skipped
-results = []
-for failing in (False, True):
-    model = Net()
-    opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    for t in range(STEPS):
-        opt.zero_grad()
-        Check.mode = ("raise" if failing else "zero") if t == FAIL_AT else None
-        try:
-            model(X).sum().backward()
-        except FloatingPointError:
-            assert failing and t == FAIL_AT
-            continue
-        opt.step()
-    Check.mode = None
-    results.append(state(model))
-    opt.remove_hooks()
-same(results[1], results[0], "ATC: skipped batch")
+# ATC: a backward that raises after l2's hook ran; the batch is skipped. Also with l2
+# in a reentrant checkpoint, whose inner backward pass ends before the outer raises.
+for checkpointed in (False, True):
+    results = []
+    for failing in (False, True):
+        model = Net(checkpointed)
+        opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        for t in range(STEPS):
+            opt.zero_grad()
+            Check.mode = ("raise" if failing else "zero") if t == FAIL_AT else None
+            try:
+                model(X).sum().backward()
+            except FloatingPointError:
+                assert failing and t == FAIL_AT
+                continue
+            opt.step()
+        Check.mode = None
+        results.append(state(model))
+        opt.remove_hooks()
+    same(results[1], results[0], f"ATC: skipped batch (checkpointed: {checkpointed})")
 
 # ATC: a backward pass that ended without step() (an input gradient for an adversarial
 # example) has taken its local steps already; zero_grad() does not finish that round
@@ -127,7 +133,7 @@ try:
     model(X).sum().backward()
     raise AssertionError("a second backward pass before step() was taken")
 except RuntimeError as e:
-    assert "received a second gradient before step()" in str(e), e
+    assert "received a second gradient before step()" in str(e) and "call step() or synchronize()" in str(e), e
 opt.remove_hooks()
 # a removed wrapper's zero_grad() communicates nothing (that round was dropped)
 before = state(model)
