@@ -34,7 +34,11 @@ def make_data(rank, samples=200, dim=10, seed=17):
 
 
 def local_problem(args):
-    """This agent's data as torch tensors."""
+    """This agent's data as torch tensors (after checking the sizes given: each at least 1)."""
+    bad = [f"--{k} {v}" for k, v in sorted(vars(args).items()) if k in ("steps", "samples", "dim", "batch")
+           and v is not None and v < 1]
+    if bad:
+        raise SystemExit(f"error: {', '.join(bad)}: must be at least 1")
     A, y = make_data(bf.rank(), args.samples, args.dim)
     return torch.from_numpy(A), torch.from_numpy(y)
 

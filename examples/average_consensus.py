@@ -27,6 +27,8 @@ def main():
     args = ap.parse_args()
     args.steps = args.steps if args.steps is not None else 10 if args.short else 30
     args.dim = args.dim if args.dim is not None else 1000 if args.short else 100000
+    if min(args.steps, args.dim) < 1:
+        ap.error(f"--steps and --dim must be at least 1, got {args.steps} and {args.dim}")
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
     bf_rank, bf_size = bf.rank(), bf.size()

@@ -147,6 +147,11 @@ def main():
     args = ap.parse_args()
     if args.epochs is None:
         args.epochs = 5 if args.short else 10
+    if min(args.epochs, args.samples, args.batch) < 1:
+        ap.error(f"--epochs, --samples and --batch must be at least 1, got {args.epochs}, {args.samples}, "
+                 f"{args.batch}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU here")
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
     device = torch.device("cpu")

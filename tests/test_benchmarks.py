@@ -58,6 +58,13 @@ def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
     assert resumed["meta"]["kept"] == 2
     assert {e["key"]["mode"] for e in resumed["results"] if e["bench"] == "memory"} == {"bf", "raw"}
     assert "2 launches were kept from an earlier, cut-off run" in (docs / "performance_tables.md").read_text()
+    # resumed with another --only: each launch keeps its own result (they were named by position
+    # in the list, so the memory launches took the results of others)
+    out = _run_all(docs, work, "--resume", "--only", "memory")
+    assert out.count(" kept") == 2, out
+    resumed = json.loads((work / "results.json").read_text())
+    assert {e["key"]["mode"] for e in resumed["results"] if e["bench"] == "memory"} == {"bf", "raw"}
+    assert all(v["n"] == 1 for e in resumed["results"] for v in e["values"].values())
 
 
 def _run(bench, agents, key, values, params=None):

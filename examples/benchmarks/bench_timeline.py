@@ -9,9 +9,10 @@ combined in step(). "On" rounds record everything a real run records:
 the timeline started with bf.timeline_start (writer thread running), the
 FORWARD/BACKWARD hooks installed, user activities per step. Off and on rounds
 alternate (in alternating order) so that drift of the machine's load affects
-both alike; the ratio reported is mean on-step time over mean off-step time
-(every writer burst counted), in wall time and in the agent's CPU time (all
-its threads), with the standard error of the per-pair ratios.
+both alike; each agent's ratio is its mean on-step time over its mean
+off-step time (every writer burst counted), in wall time and in the agent's
+CPU time (all its threads), with the standard error of the per-pair ratios;
+the JSON holds the mean over agents of the ratios and of the step times.
 """
 import argparse
 import os
@@ -118,23 +119,24 @@ def main():
     wall_ratio = statistics.fmean(a[0] for a in on) / statistics.fmean(b[0] for b in off)
     cpu_ratio = statistics.fmean(a[1] for a in on) / statistics.fmean(b[1] for b in off)
     err = statistics.stdev(pair) / len(pair) ** 0.5 if len(pair) > 1 else float("nan")
-    ratios = bf.allgather(torch.tensor([[wall_ratio, cpu_ratio, err]], dtype=torch.float64), name="bench.ratio")
+    mean = lambda xs, i: statistics.fmean(x[i] for x in xs)   # noqa: E731
+    ratios = bf.allgather(torch.tensor([[wall_ratio, cpu_ratio, err, mean(off, 0), mean(on, 0), mean(off, 1),
+                                         mean(on, 1)]], dtype=torch.float64), name="bench.ratio")
+    steps = ratios[:, 3:].mean(dim=0).tolist()      # step times (wall off, on; CPU off, on), mean over agents
     site_ns, site_total_ns = disabled_site_ns()
     if bf.rank() == 0:
-        mean_ms = lambda xs, i: statistics.fmean(x[i] for x in xs) * 1e3
         print(f"agents {bf.size()}, MLP {args.layers} layers x {args.width}, batch {args.batch}, AWC optimizer, "
               f"{len(params)} parameters averaged per step; {args.rounds} off/on round pairs x {args.steps} steps")
-        print(f"mean step wall time off {mean_ms(off, 0):.3f} ms, on {mean_ms(on, 0):.3f} ms; "
-              f"process CPU per step off {mean_ms(off, 1):.3f} ms, on {mean_ms(on, 1):.3f} ms")
+        print(f"mean step wall time (over agents) off {steps[0] * 1e3:.3f} ms, on {steps[1] * 1e3:.3f} ms; "
+              f"process CPU per step off {steps[2] * 1e3:.3f} ms, on {steps[3] * 1e3:.3f} ms")
         print(f"events per step (rank 0): {events:.0f}")
         print("on/off ratio per agent: wall " + ", ".join(
             f"{w:.3f} (+-{e:.3f})" for w, e in zip(ratios[:, 0].tolist(), ratios[:, 2].tolist()))
             + "; CPU " + ", ".join(f"{x:.3f}" for x in ratios[:, 1].tolist()))
         print(f"mean wall ratio {ratios[:, 0].mean().item():.3f}, mean CPU ratio {ratios[:, 1].mean().item():.3f}")
         print(f"disabled event site: {site_total_ns:.0f} ns per call ({site_ns:.0f} ns above an empty call)")
-        mean = lambda xs, i: statistics.fmean(x[i] for x in xs)   # noqa: E731
-        values = {"off_step_s": mean(off, 0), "on_step_s": mean(on, 0), "off_cpu_s": mean(off, 1),
-                  "on_cpu_s": mean(on, 1), "on/off": ratios[:, 0].mean().item(),
+        values = {"off_step_s": steps[0], "on_step_s": steps[1], "off_cpu_s": steps[2],
+                  "on_cpu_s": steps[3], "on/off": ratios[:, 0].mean().item(),
                   "on/off_cpu": ratios[:, 1].mean().item(), "on/off_err": ratios[:, 2].mean().item(),
                   "events_per_step": events, "disabled_site_ns": site_total_ns}
         _bench.write_json(args.json, "timeline", bf.size(),

@@ -13,6 +13,7 @@ check the pipeline; its output is labelled as such and is not for quoting.
 """
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -141,8 +142,11 @@ def main():
         with open(os.path.join(args.work, "results.json")) as f:
             write_outputs(json.load(f), args.docs, args.work)
         return
-    agent_counts = [int(a) for a in (args.agents or ("2,4" if args.quick else "2,4,8")).split(",")]
-    repeats = args.repeats or (1 if args.quick else 3)
+    try:
+        agent_counts = [int(a) for a in (args.agents or ("2,4" if args.quick else "2,4,8")).split(",")]
+    except ValueError:
+        ap.error(f"--agents must be a comma list of agent counts, got {args.agents!r}")
+    repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
     only = set(args.only.split(","))
     unknown = only - set(BENCHES)
     if unknown or repeats < 1 or min(agent_counts) < 2:
@@ -156,7 +160,9 @@ def main():
     runs, failures, kept = [], [], 0
     for rep in range(repeats):
         for i, (bench, script, agents, bargs) in enumerate(jobs):
-            stem = os.path.join(work, f"{bench}_n{agents}_{i}_r{rep}")
+            # (named after what the launch runs, so that --resume keeps only the same launch's result)
+            digest = hashlib.sha1(json.dumps([script, bargs]).encode()).hexdigest()[:10]
+            stem = os.path.join(work, f"{bench}_n{agents}_{digest}_r{rep}")
             label = f"[{rep + 1}/{repeats}] {bench:<18} n={agents} {' '.join(bargs):<48}"
             if args.resume and os.path.exists(stem + ".json"):
                 kept += 1
