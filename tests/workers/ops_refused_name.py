@@ -24,16 +24,22 @@ def fails(call, *args, **kwargs):
     raise AssertionError(f"rank {r}: {kwargs.get('name')!r} returned {got.tolist()} instead of failing")
 
 
+def later_calls_refused(name):
+    """Correct calls of name after its refused one raise on every agent (never a stale value)."""
+    bf.barrier()
+    for step in range(1, 3):
+        said = fails(bf.neighbor_allreduce, x + 10 * step, self_weight=0.5, src_weights={(r - 1) % n: 0.5},
+                     dst_weights=[(r + 1) % n], enable_topo_check=False, name=name)
+        assert f"an earlier NEIGHBOR_ALLREDUCE '{name}' of this agent was refused" in said, said
+        assert "use another name" in said, said
+        bf.barrier()
+
+
 # 1. every agent: dst_weights without self_weight/src_weights (no topology check)
 x = torch.full((3,), float(r), dtype=torch.float64)
 assert "needs self_weight and src_weights too" in fails(bf.neighbor_allreduce, x, dst_weights=[(r + 1) % n],
                                                         enable_topo_check=False, name="b")
-bf.barrier()
-for step in range(1, 3):
-    said = fails(bf.neighbor_allreduce, x + 10 * step, self_weight=0.5, src_weights={(r - 1) % n: 0.5},
-                 dst_weights=[(r + 1) % n], enable_topo_check=False, name="b")
-    assert "an earlier NEIGHBOR_ALLREDUCE 'b' of this agent was refused" in said and "use another name" in said, said
-    bf.barrier()
+later_calls_refused("b")
 got = bf.neighbor_allreduce(x + 30, self_weight=0.5, src_weights={(r - 1) % n: 0.5}, dst_weights=[(r + 1) % n],
                             enable_topo_check=False, name="b2")
 np.testing.assert_allclose(got.numpy(), np.full(3, 0.5 * (r + 30) + 0.5 * ((r - 1) % n + 30)))
@@ -43,13 +49,8 @@ np.testing.assert_allclose(got.numpy(), np.full(3, 0.5 * (r + 30) + 0.5 * ((r - 
 # failed the same way): later calls of the name took the next call's data, one call late,
 # silently, then waited for ever. Now they raise on every agent.
 assert "is this agent itself" in fails(bf.neighbor_allreduce, x, self_weight=0.5, src_weights={(r - 1) % n: 0.5},
-                                dst_weights=[r], enable_topo_check=False, name="s")
-bf.barrier()
-for step in range(1, 3):
-    said = fails(bf.neighbor_allreduce, x + 10 * step, self_weight=0.5, src_weights={(r - 1) % n: 0.5},
-                 dst_weights=[(r + 1) % n], enable_topo_check=False, name="s")
-    assert "an earlier NEIGHBOR_ALLREDUCE 's' of this agent was refused" in said and "use another name" in said, said
-    bf.barrier()
+                                       dst_weights=[r], enable_topo_check=False, name="s")
+later_calls_refused("s")
 
 # 2. one agent: dst_machine_weights without the rest, the others in static mode
 kw = dict(dst_machine_weights=[(mr + 1) % M]) if r == 0 else {}
