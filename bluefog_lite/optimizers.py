@@ -145,30 +145,6 @@ class _BeginRound(CopiedInert):
             self.wrapper._pass_begins()
 
 
-class _WatchBackward(CopiedInert):
-    """ATC's model forward hook: a backward pass that reaches the output of a training
-    pass queues wrapper._backward_ended for its own end (autograd runs it when the
-    pass ends, not when it raises). Queued from the output's autograd node, which the
-    outermost pass runs: a gradient hook may run inside a reentrant checkpoint's inner
-    pass, which ends first."""
-    __slots__ = ("wrapper",)
-
-    def __init__(self, wrapper):
-        self.wrapper = wrapper
-
-    def __call__(self, module, inputs, output):
-        if not _training_pass(module):
-            return
-        outputs = list(output.values()) if isinstance(output, dict) else \
-            output if isinstance(output, (tuple, list)) else [output]
-        nodes = {id(o.grad_fn): o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None}
-        for node in nodes.values():
-            node.register_prehook(self._reached)
-
-    def _reached(self, grad_outputs):
-        torch.autograd.Variable._execution_engine.queue_callback(self.wrapper._backward_ended)
-
-
 class _InOrder:
     """Starts the allreduce of each parameter in one fixed order, the same on every
     agent: collectives are matched across agents by their order, while the hooks
@@ -831,7 +807,6 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         except NoStepRule as exc:      # no rule for it: Bluefog's opt.register_step_function(f) may come next
             self._local_step = _no_step_rule(exc)
         self._updated = set()
-        self._backward_open = False     # a backward pass ran a gradient hook and has not ended (or raised)
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
@@ -839,7 +814,6 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, self._group_of[name])))
         for m in self._models:
             self._hooks.append(m.register_forward_pre_hook(_BeginRound(self)))
-            self._hooks.append(m.register_forward_hook(_WatchBackward(self)))
         self._extra_of = (None, [])     # (groups' shape, _extra's list) as last found
 
     def _extra(self):
@@ -865,16 +839,12 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     "gradient is ready, so it cannot accumulate gradients over several backward passes. "
                     "Call step() after every backward pass (num_steps_per_communication=k gives local "
                     "steps between communications), or use DistributedAdaptWithCombineOptimizer, which "
-                    "steps on the accumulated gradient. " + (
-                        "The backward pass before raised: call this wrapper's zero_grad() (not the model's) "
-                        "before the next pass, to finish that pass's round" if self._backward_open else
-                        "A backward pass made for another purpose (an input gradient: use torch.autograd.grad("
-                        "loss, inputs), which leaves the parameters alone) has updated and sent the parameters "
-                        "already: call step() or synchronize() to finish its round") + _REENTRANT_HINT)
+                    "steps on the accumulated gradient. After a backward pass that raised, or one made for "
+                    "another purpose (an input gradient: use torch.autograd.grad(loss, inputs), which leaves "
+                    "the parameters alone), call step() or synchronize() to finish its round" + _REENTRANT_HINT)
             with torch.no_grad():
                 self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
-            self._backward_open = True
             if self._communicating():
                 self._launched.add(name)
                 self._launch(name, p)
@@ -904,23 +874,21 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
     def _round_over(self):
         super()._round_over()
         self._updated.clear()
-        self._backward_open = False
-
-    def _backward_ended(self):
-        """Queued for the end of each backward pass through the model's output
-        (_WatchBackward): autograd runs it when the pass ends, not when it raises."""
-        self._backward_open = False
 
     def zero_grad(self, set_to_none=True):
-        """After a backward pass that raised partway (a batch then skipped), the
-        parameters whose gradients were ready are updated and sent already: their
-        round is finished here as step() would finish it (the rest started, the
-        results applied), so that the next pass starts afresh, in step with agents
-        whose pass went through. (A backward pass that ended without step() is not
-        finished here: its local steps cannot be undone, and the next backward pass
-        raises, as plain torch would have dropped its gradients.)"""
-        if self._backward_open and self._hooks is not None:
-            self.synchronize()
+        """Refused after a backward pass not followed by step() (as Bluefog refuses it
+        with communication pending): that pass has updated and sent the parameters whose
+        gradients were ready, which dropping its gradients cannot undo, and a later pass
+        would raise at its first gradient. synchronize() finishes that round (as step()
+        would, without the optimizer's other parameters), then zero_grad() works."""
+        if self._updated and self._hooks is not None:
+            raise RuntimeError(
+                f"zero_grad() after a backward pass that was not followed by step(): {type(self).__name__} "
+                f"has updated and sent the parameters whose gradients were ready ({sorted(self._updated)[:3]}"
+                f"{' ...' if len(self._updated) > 3 else ''}), which dropping the gradients cannot undo. Call "
+                "synchronize() (or step()) to finish that pass's round first, e.g. after a backward pass that "
+                "raised; for an input gradient, use torch.autograd.grad(loss, inputs), which leaves the "
+                "parameters alone")
         super().zero_grad(set_to_none)
 
     def step(self, closure=None):

@@ -8,11 +8,12 @@ explicit):
   communication and left it in flight ("already has communication in flight" in
   every later step; with allreduce, averages applied a step late).
 - ATC whose backward pass raises after the last layer's gradient hook ran (it
-  updated and sent that layer): the batch is skipped with zero_grad(), which
-  finishes that round as step() would. Before, every later step raised "received a
-  second gradient before step()". Reference: the failed step as an ATC step in
-  which the first layer's gradient is zero. A backward pass that ended without
-  step() is not finished by zero_grad(): the next backward raises, as before."""
+  updated and sent that layer): zero_grad() refuses, naming synchronize(), which
+  finishes that round as step() would; then the batch is skipped. Before, every
+  later step raised "received a second gradient before step()", pointing nowhere
+  near the cause. Reference: the failed step as an ATC step in which the first
+  layer's gradient is zero. Also with the layer in a reentrant checkpoint, and
+  after a backward pass made for an input gradient."""
 
 import torch
 
@@ -114,6 +115,12 @@ for checkpointed in (False, True):
                 model(X).sum().backward()
             except FloatingPointError:
                 assert failing and t == FAIL_AT
+                try:
+                    opt.zero_grad()
+                    raise AssertionError("zero_grad() after a backward that updated and sent l2 was taken")
+                except RuntimeError as e:
+                    assert "Call synchronize() (or step()) to finish that pass's round first" in str(e), e
+                opt.synchronize()
                 continue
             opt.step()
         Check.mode = None
@@ -121,14 +128,18 @@ for checkpointed in (False, True):
         opt.remove_hooks()
     same(results[1], results[0], f"ATC: skipped batch (checkpointed: {checkpointed})")
 
-# ATC: a backward pass that ended without step() (an input gradient for an adversarial
-# example) has taken its local steps already; zero_grad() does not finish that round
-# (as plain torch would drop the gradients, it cannot): the next backward raises.
+# ATC: a backward pass made for an input gradient (an adversarial example) has taken its
+# local steps already: zero_grad() refuses (plain torch would drop the gradients; ATC
+# cannot), and so does the next backward pass, each naming what finishes the round.
 model = Net()
 opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
 x = X.clone().requires_grad_(True)
 model(x).sum().backward()
-opt.zero_grad()
+try:
+    opt.zero_grad()
+    raise AssertionError("zero_grad() after a backward pass without step() was taken")
+except RuntimeError as e:
+    assert "use torch.autograd.grad(loss, inputs)" in str(e), e
 try:
     model(X).sum().backward()
     raise AssertionError("a second backward pass before step() was taken")
