@@ -48,6 +48,9 @@ def main():
                     "to this .npy file")
     args = ap.parse_args()
     steps = args.steps if args.steps is not None else (120 if args.short else 200)
+    if min(steps, args.dim) < 1 or args.jitter_ms < 0:
+        ap.error(f"--steps and --dim must be at least 1 and --jitter-ms at least 0, got {steps}, {args.dim}, "
+                 f"{args.jitter_ms}")
 
     bf.init(topology_fn=lambda n: topo.RingGraph(n, connect_style=2))    # directed: i -> i+1
     rank = bf.rank()

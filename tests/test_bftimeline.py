@@ -495,6 +495,8 @@ def test_missing_files_are_a_clear_error(tmp_path, capsys):
     write_agent(tmp_path / "tl_1.json", 1, 3, [])
     code, _, err = cli(["merge", tmp_path / "tl_", "-o", tmp_path / "no" / "m.json"], capsys)
     assert code == 1 and f"cannot write {tmp_path / 'no' / 'm.json'}: its folder" in err and "partial" not in err, err
+    code, _, err = cli(["merge", tmp_path / "tl_", "-o", tmp_path], capsys)
+    assert code == 1 and "it is a folder" in err and not list(tmp_path.parent.glob("*.partial")), err
 
 
 @pytest.mark.parametrize("content", ['{"a": 1}', "hello, world\n",

@@ -38,6 +38,8 @@ def merge(prefix, out_path, topology=None, flows=True, allow_missing=False):
     folder = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(folder):
         raise ValueError(f"cannot write {out_path}: its folder {folder} does not exist")
+    if os.path.isdir(out_path):
+        raise ValueError(f"cannot write {out_path}: it is a folder (give a file name, e.g. {out_path}/merged.json)")
     partial = f"{out_path}.partial"     # moved to out_path once whole
     try:
         _write(prefix, agents, partial, topology, flows, counts)

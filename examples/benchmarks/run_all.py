@@ -143,9 +143,12 @@ def main():
             write_outputs(json.load(f), args.docs, args.work)
         return
     try:
-        agent_counts = [int(a) for a in (args.agents or ("2,4" if args.quick else "2,4,8")).split(",")]
+        agent_counts = [int(a) for a in ((2, 4) if args.quick else (2, 4, 8))] if args.agents is None else \
+            [int(a) for a in args.agents.split(",")]
     except ValueError:
         ap.error(f"--agents must be a comma list of agent counts, got {args.agents!r}")
+    if len(set(agent_counts)) != len(agent_counts):
+        ap.error(f"--agents lists an agent count twice: {args.agents!r}")
     repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
     only = set(args.only.split(","))
     unknown = only - set(BENCHES)
