@@ -704,6 +704,14 @@ def test_soak_nothing_grows_and_nothing_drifts():
     assert sum("accumulates per agent all counted" in s for s in summaries) == N, out[-3000:]
 
 
+def test_soak_of_a_few_window_operations_reports_nothing():
+    """Fewer than 20 window operations: the baseline sample came before the second window
+    was first used, and its handle counted as growth (a false SOAK PROBLEM, exit 1)."""
+    _, out = run_agents(2, os.path.join(REPO, "examples", "benchmarks", "soak.py"), "--nar", 100, "--win", 19,
+                        timeout=120)
+    assert "SOAK PROBLEM" not in out, out[-3000:]
+
+
 def test_data_no_operation_took_is_reported_at_shutdown():
     """A send nobody receives (dynamic weights that disagree, the topology check off)
     is named at shutdown by the agent it was sent to, and only there."""
