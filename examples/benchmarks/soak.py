@@ -60,8 +60,7 @@ def neighbor_phase(count, samples):
     rank, size = bf.rank(), bf.size()
     x = torch.from_numpy(np.random.default_rng(rank).normal(size=16))
     target = np.mean([np.random.default_rng(r).normal(size=16) for r in range(size)], axis=0)
-    first = max(int(count * WARMUP), 6)     # (the baseline: after every kind has run once, the second window too)
-    marks = {first, max(count // 2, first)}
+    marks = {int(count * WARMUP), count // 2}
     for i in range(count):
         x = bf.neighbor_allreduce(x, name="soak.x")
         if i + 1 in marks:
