@@ -449,6 +449,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._in_order is not None:
             self._in_order.new_round()
 
+    def _not_started(self):
+        """(name, param) of each parameter this round has not started and does not leave
+        out (frozen): what synchronize() starts (those a pass did not use)."""
+        frozen = self._round_frozen()
+        return [(n, p) for n, p in self._named if n not in self._handles and n not in self._launched
+                and n not in frozen]
+
     def _round_begun(self):
         """This round's communication has started (or waits in the fixed order)."""
         return bool(self._handles or (self._in_order is not None and self._in_order.started()))
@@ -612,7 +619,6 @@ class _ParameterCommunicator(_DistributedOptimizer):
         """backward: parameters become ready in backward order (else forward order)."""
         _check_communication_type(communication_type)
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
-        self._backward = backward
         self._next_type = None      # set during a round: the communication_type of the next
         names = [n for n, _ in self._named]
         # (used in a round whose collectives must start in one order: see _set_round)
@@ -712,10 +718,8 @@ class _ParameterCommunicator(_DistributedOptimizer):
         if self._in_order is not None:
             self._in_order.finish()
         else:
-            frozen = self._round_frozen()
-            for name, p in self._named:
-                if name not in self._handles and name not in self._launched and name not in frozen:
-                    self._start(name, p)
+            for name, p in self._not_started():
+                self._start(name, p)
         self._launched = set()
 
 
@@ -1059,9 +1063,8 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             return
         self._check_memory()
         frozen = self._round_frozen()
-        for name, p in self._named:
-            if name not in self._handles and name not in self._launched and name not in frozen:
-                self._put(name, p)
+        for name, p in self._not_started():
+            self._put(name, p)
         self._launched = set()
         self._all_handles(lambda p, h: self._wait(h))
         for name, _ in self._named:
