@@ -142,11 +142,12 @@ def main():
         with open(os.path.join(args.work, "results.json")) as f:
             write_outputs(json.load(f), args.docs, args.work)
         return
-    try:
-        agent_counts = [int(a) for a in ((2, 4) if args.quick else (2, 4, 8))] if args.agents is None else \
-            [int(a) for a in args.agents.split(",")]
-    except ValueError:
-        ap.error(f"--agents must be a comma list of agent counts, got {args.agents!r}")
+    agent_counts = [2, 4] if args.quick else [2, 4, 8]
+    if args.agents is not None:
+        try:
+            agent_counts = [int(a) for a in args.agents.split(",")]
+        except ValueError:
+            ap.error(f"--agents must be a comma list of agent counts, got {args.agents!r}")
     if len(set(agent_counts)) != len(agent_counts):
         ap.error(f"--agents lists an agent count twice: {args.agents!r}")
     repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
@@ -162,7 +163,7 @@ def main():
     started, load_before = time.time(), load_average()
     runs, failures, kept = [], [], 0
     for rep in range(repeats):
-        for i, (bench, script, agents, bargs) in enumerate(jobs):
+        for bench, script, agents, bargs in jobs:
             # (named after what the launch runs, so that --resume keeps only the same launch's result)
             digest = hashlib.sha1(json.dumps([script, bargs]).encode()).hexdigest()[:10]
             stem = os.path.join(work, f"{bench}_n{agents}_{digest}_r{rep}")
