@@ -347,8 +347,13 @@ def resume():
 # ---- topology -------------------------------------------------------------
 
 def _check_is_weighted(is_weighted):
-    if not isinstance(is_weighted, (bool, np.bool_)):
-        raise TypeError(f"is_weighted must be True or False, got {is_weighted!r}")
+    """True or False; also 0 or 1 (Bluefog took any truthy value, but a string such
+    as "no" is truthy: refused)."""
+    if isinstance(is_weighted, (bool, np.bool_)):
+        return bool(is_weighted)
+    if isinstance(is_weighted, numbers.Integral) and is_weighted in (0, 1):
+        return bool(is_weighted)
+    raise TypeError(f"is_weighted must be True or False, got {is_weighted!r}")
 
 
 def _validate_graph(G, n, what, is_weighted=False, unit="agent"):
@@ -390,12 +395,12 @@ def plan_key(self_weight, src_weights, send_plan, recv_from):
 
 
 def _install_topology(G, is_weighted):
-    _state.topology = _Topology(G, _state.rank, is_weighted)
-    _state.is_weighted = is_weighted
+    _state.topology = _Topology(G, _state.rank, bool(is_weighted))
+    _state.is_weighted = bool(is_weighted)
 
 
 def _install_machine_topology(G, is_weighted):
-    _state.machine_topology = _Topology(G, _state.machine_rank, is_weighted)
+    _state.machine_topology = _Topology(G, _state.machine_rank, bool(is_weighted))
 
 
 def _fingerprint(G, is_weighted):
@@ -419,9 +424,10 @@ def _same_everywhere(call, fingerprints, graphs_differ):
 
 def set_topology(topology=None, is_weighted=False, *, G=None):
     """Replace the static topology (collective). Returns False, with a warning,
-    while windows exist or operations are in flight on any agent. The graph may be
-    passed as ``topology`` (Bluefog's name) or ``G`` (the specification's); none:
-    the Exponential-2 graph."""
+    while windows exist or operations are in flight on any agent, unless the graph
+    (and is_weighted) is the one in use: then nothing changes and it returns True,
+    as Bluefog did. The graph may be passed as ``topology`` (Bluefog's name) or ``G``
+    (the specification's); none: the Exponential-2 graph."""
     st = state()
     busy = bool(st.windows) or st.engine.has_pending()
 
@@ -432,7 +438,9 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         given = topology if G is None else G
         graph = (_topo.ExponentialGraph(st.size) if given is None
                  else _validate_graph(given, st.size, "topology", is_weighted))
-        return graph, (busy, _fingerprint(graph, is_weighted))
+        fingerprint = _fingerprint(graph, is_weighted)
+        in_use = fingerprint == _fingerprint(st.topology.graph, st.topology.is_weighted)
+        return graph, (busy and not in_use, fingerprint)
     from .ops import _negotiate
     graph, views = _negotiate("set_topology", validated)
     if any(b for b, _ in views):
@@ -441,7 +449,8 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         return False
     _same_everywhere("set_topology", [fp for _, fp in views],
                      "agents passed different graphs; every agent must set the same topology")
-    _install_topology(graph, is_weighted)
+    if views[0][1] != _fingerprint(st.topology.graph, st.topology.is_weighted):
+        _install_topology(graph, is_weighted)
     return True
 
 

@@ -367,6 +367,17 @@ def test_set_topology_while_a_window_exists_is_refused(cases):
         assert outcome.startswith("returned False: set_topology refused: windows exist"), outcome
 
 
+def test_set_topology_of_the_graph_in_use_while_a_window_exists_returns_true(cases):
+    """Nothing to change: True without a warning, as Bluefog; another is_weighted is a change (refused)."""
+    for outcome in cases.of("topology.same_while_window_exists").values():
+        assert outcome.startswith("same True, reweighted False, weighted False: set_topology refused: windows"), outcome
+        assert outcome.count("refused") == 1, outcome
+
+
+def test_is_weighted_may_be_0_or_1(cases):
+    assert cases.of("topology.is_weighted_int") == {r: "True True True False" for r in range(N)}
+
+
 # ---- windows by name ------------------------------------------------------------------------------
 
 def test_window_ops_on_an_unknown_window(cases):

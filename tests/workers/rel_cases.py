@@ -375,7 +375,17 @@ with warnings.catch_warnings(record=True) as caught:
     refused = bf.set_topology(topo.RingGraph(SIZE))
 report("topology.while_window_exists",
        f"returned {refused}: " + " | ".join(str(w.message) for w in caught))
+with warnings.catch_warnings(record=True) as caught:     # the graph in use: nothing to change (as Bluefog)
+    warnings.simplefilter("always")
+    same = bf.set_topology(topo.ExponentialGraph(SIZE))
+    reweighted = bf.set_topology(topo.ExponentialGraph(SIZE), is_weighted=True)
+report("topology.same_while_window_exists",
+       f"same {same}, reweighted {reweighted}, weighted {bf.is_topo_weighted()}: "
+       + " | ".join(str(w.message) for w in caught))
 bf.win_free("frozen")
+weighted_as_int = bf.set_topology(topo.ExponentialGraph(SIZE), is_weighted=1)
+report("topology.is_weighted_int", f"{weighted_as_int} {bf.is_topo_weighted()!r} "
+       f"{bf.set_topology(topo.ExponentialGraph(SIZE), is_weighted=0)} {bf.is_topo_weighted()!r}")
 
 
 # ---- windows by name -------------------------------------------------------------------------
