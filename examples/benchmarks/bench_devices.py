@@ -17,7 +17,7 @@ from bluefog_lite._mpi import MPI
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4K,1M,16M", help="bytes per tensor, comma-separated")
     _bench.add_common_arguments(ap)
     args = ap.parse_args()

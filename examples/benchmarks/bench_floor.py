@@ -75,7 +75,7 @@ class MinimalExchange:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="4K", help="bytes per call (float32)")
     ap.add_argument("--reps", type=int, default=300, help="calls per timed block")
     ap.add_argument("--methods", default="raw,minimal,bf", help="which of raw,minimal,bf to time")

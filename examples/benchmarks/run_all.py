@@ -121,14 +121,20 @@ def load_average():
         return (float("nan"),) * 3
 
 
+def default_docs(quick, work):
+    """docs/, except for a --quick run (not for quoting): its --work folder."""
+    return work if quick else os.path.join(REPO, "docs")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few rounds, 1 repeat: checks the pipeline")
     ap.add_argument("--agents", default=None, help="agent counts (default 2,4,8; 2,4 with --quick)")
     ap.add_argument("--repeats", type=int, default=None, help="launches per benchmark (default 3; 1 with --quick)")
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma list of: {', '.join(BENCHES)}")
-    ap.add_argument("--docs", default=os.path.join(REPO, "docs"),
-                    help="where performance_tables.md and performance.png go")
+    ap.add_argument("--docs", default=None,
+                    help="where performance_tables.md and performance.png go (default: docs/; with --quick the "
+                         "--work folder, so that a pipeline check does not overwrite the report's tables)")
     ap.add_argument("--work", default=None, help="folder for the per-launch JSON and logs (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds before one launch is killed")
     ap.add_argument("--resume", action="store_true",
@@ -136,11 +142,14 @@ def main():
     ap.add_argument("--report-only", action="store_true",
                     help="launch nothing: rewrite the tables and figure from --work's results.json")
     args = ap.parse_args()
+    if args.resume and not args.work:
+        ap.error("--resume needs --work (the folder of the run that was cut off)")
     if args.report_only:
         if not args.work:
             ap.error("--report-only needs --work (the folder of an earlier run)")
         with open(os.path.join(args.work, "results.json")) as f:
-            write_outputs(json.load(f), args.docs, args.work)
+            results = json.load(f)
+        write_outputs(results, args.docs or default_docs(results["meta"]["quick"], args.work), args.work)
         return
     agent_counts = [2, 4] if args.quick else [2, 4, 8]
     if args.agents is not None:
@@ -188,7 +197,7 @@ def main():
     results = {"meta": meta, "results": summarize(runs)}
     with open(os.path.join(work, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    write_outputs(results, args.docs, work)
+    write_outputs(results, args.docs or default_docs(args.quick, work), work)
     if failures:
         print("FAILED launches:\n  " + "\n  ".join(failures), file=sys.stderr)
         sys.exit(1)

@@ -126,7 +126,7 @@ def check(samples, start_of_phase):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nar", type=int, default=100_000, help="neighbor_allreduce calls per agent")
     parser.add_argument("--win", type=int, default=20_000, help="window operations per agent")
     args = parser.parse_args()
