@@ -65,6 +65,17 @@ def test_quick_run_writes_tables_figure_and_positive_numbers(tmp_path):
     resumed = json.loads((work / "results.json").read_text())
     assert {e["key"]["mode"] for e in resumed["results"] if e["bench"] == "memory"} == {"bf", "raw"}
     assert all(v["n"] == 1 for e in resumed["results"] for v in e["values"].values())
+    # without --docs a --quick run writes its tables into --work: it must not overwrite the report's
+    docs_tables = (docs / "performance_tables.md").read_text()
+    cmd = [sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--agents", "2", "--only", "memory",
+           "--work", str(work), "--resume"]
+    code, out = run_bounded(cmd, 240, "run_all.py --quick --resume")
+    assert code == 0 and out.count(" kept") == 2, out
+    assert "QUICK MODE" in (work / "performance_tables.md").read_text() and (work / "performance.png").exists()
+    assert (docs / "performance_tables.md").read_text() == docs_tables
+    # --resume needs the folder to resume
+    code, out = run_bounded(cmd[:-3] + ["--resume"], 60, "run_all.py --resume without --work")
+    assert code == 2 and "--resume needs --work" in out, out
 
 
 def _run(bench, agents, key, values, params=None):
