@@ -4,12 +4,18 @@
 as in ``model.named_parameters()``, the names the optimizer wrappers use for
 its communication, so that a layer's compute and communication share a row):
 
-- FORWARD: the forward of the module that owns the parameter (forward
-  pre-hook to forward hook). The end hook runs before the module's other
-  forward hooks, even ones registered earlier (an optimizer wrapper's launch of
-  the parameter's communication), so the ENQUEUE span those start follows
-  FORWARD on the row instead of overlapping it (the writer would start FORWARD,
-  recorded once it ends, at that ENQUEUE's begin);
+- FORWARD: the stretch of the model's forward pass that ends with the forward
+  of the module that owns the parameter (its forward hook). It begins at that
+  module's forward pre-hook or where the previous stretch of the same forward
+  pass ended (the previous module's forward; for the first, the model's forward
+  pre-hook), whichever is earlier, so the FORWARD spans of one pass tile it:
+  work between modules that own parameters (activations, pooling, reshapes)
+  counts as compute of the next one, as it does in BACKWARD. A module called
+  outside the model's forward gets its own forward only. The end hook runs
+  before the module's other forward hooks, even ones registered earlier (an
+  optimizer wrapper's launch of the parameter's communication), so the ENQUEUE
+  span those start follows FORWARD on the row instead of overlapping it (the
+  writer would start FORWARD, recorded once it ends, at that ENQUEUE's begin);
 - BACKWARD: the stretch of back-propagation that ends with the parameter's
   gradient (a hook on the parameter). It begins where the previous stretch of
   the same backward pass ended -- when the previous module's gradients were
@@ -74,12 +80,14 @@ class TimelineHooks:
 
 class _Pass:
     """Where the current backward pass stands: the end of its last stretch, and
-    the begin shared by each module's parameters."""
-    __slots__ = ("last", "begun")
+    the begin shared by each module's parameters; and where the model's forward
+    pass stands: the end of its last FORWARD stretch."""
+    __slots__ = ("last", "begun", "forward")
 
     def __init__(self):
         self.last = 0          # perf_counter_ns; 0 = unknown
         self.begun = {}        # module index -> begin of its BACKWARD in this pass
+        self.forward = 0       # in the model's forward: the end of its last FORWARD stretch; else 0
 
 
 def timeline_install_hooks(model, prefix=""):
@@ -121,7 +129,8 @@ def _install(model, prefix, auto):
         handles.append(module.register_forward_pre_hook(_ForwardBegin(state, begins)))
         handles.append(module.register_forward_hook(_ForwardEnd(fwd, state, begins), always_call=True,
                                                      prepend=True))
-    handles.append(model.register_forward_hook(_PassForwardEnd(state)))
+    handles.append(model.register_forward_pre_hook(_PassForwardBegin(state), prepend=True))
+    handles.append(model.register_forward_hook(_PassForwardEnd(state), always_call=True))
     for name, p in model.named_parameters():
         if p.requires_grad:
             handles.append(p.register_hook(_GradientReady(prefix + name, owner[id(p)], state)))
@@ -177,7 +186,22 @@ class _ForwardEnd(CopiedInert):
         rec = _recorder.current
         if rec is None:
             return
-        self.state.last = rec.spans(self.names, "FORWARD", begin)
+        state = self.state
+        if 0 < state.forward < begin:
+            begin = state.forward  # the stretch since the previous module's forward
+        state.last = end = rec.spans(self.names, "FORWARD", begin)
+        if state.forward:
+            state.forward = end
+
+
+class _PassForwardBegin(CopiedInert):
+    __slots__ = ("state",)
+
+    def __init__(self, state):
+        self.state = state
+
+    def __call__(self, module, args):
+        self.state.forward = _now_ns() if _recorder.current is not None else 0
 
 
 class _PassForwardEnd(CopiedInert):
@@ -191,10 +215,11 @@ class _PassForwardEnd(CopiedInert):
         self.state.begun.clear()
 
     def __call__(self, module, args, output):
+        self.state.forward = 0
         if _recorder.current is None:
             return
         self.state.begun.clear()
-        node = _grad_node(output)
+        node = _grad_node(output)     # (None if the forward raised)
         if node is not None:
             node.register_prehook(self._backward_starts)
 

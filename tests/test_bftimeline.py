@@ -247,8 +247,38 @@ def test_known_straggler_is_ranked_first(tmp_path, capsys):
     assert [(x["rank"], x["times_last"], x["calls"]) for x in st["ranking"]] == \
         [(2, 5, 8), (3, 1, 8), (0, 2, 8), (1, 0, 8)]
     assert [x["held_up_ms"] for x in st["ranking"]] == pytest.approx([8.5, 1.1, 0.6, 0.0])
+    assert [x["held_up_summed_ms"] for x in st["ranking"]] == pytest.approx([8.5, 1.1, 0.6, 0.0])
     ranking = out[out.index("straggler ranking"):].splitlines()
     assert ranking[2].split()[:4] == ["rank", "2", "5", "of"]
+
+
+def test_calls_held_up_at_once_count_once_in_the_ranking(tmp_path, capsys):
+    """Six layers' operations called together each step, three steps: rank 1 is 50 ms late
+    in steps 0 and 1 (2.6 ms late for one layer only in step 2), rank 3 20 ms late for
+    one layer in step 2. Rank 1 held the job up 100 ms (+2.6), not 600: it ranks first by
+    the time it held calls up, and rank 3 (20 ms) second; the sum over calls is kept apart."""
+    prefix = str(tmp_path / "tl_")
+    for r in range(4):
+        slices = []
+        for step in range(3):
+            t = 200000.0 * (step + 1)
+            for layer in range(6):
+                late = {0: 0.0, 1: 50000.0 if step < 2 else 0.0, 2: 100.0, 3: 0.0}[r]
+                if step == 2 and layer == 0:
+                    late = {0: 0.0, 1: 2700.0, 2: 100.0, 3: 0.0}[r]
+                if step == 2 and layer == 5:
+                    late = {0: 0.0, 1: 0.0, 2: 100.0, 3: 20100.0}[r]
+                a = t + late + 10.0 * layer
+                slices += op_call(f"l{layer}", "NEIGHBOR_ALLREDUCE", (a, t + 90000), (a + 5, t + 89000),
+                                  (a + 6, t + 88000))
+        write_agent(f"{prefix}{r}.json", r, 4, slices)
+    code, out, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    ranking = load_json(tmp_path / "s.json")["stragglers"]["ranking"]
+    assert [x["rank"] for x in ranking[:2]] == [1, 3]
+    assert ranking[0]["held_up_ms"] == pytest.approx(2 * 49.95 + 2.6)    # (the layers 10 µs apart)
+    assert ranking[0]["held_up_summed_ms"] == pytest.approx(12 * 49.9 + 2.6)
+    assert ranking[1]["held_up_ms"] == ranking[1]["held_up_summed_ms"] == pytest.approx(20.0)
 
 
 def test_merge_flows_follow_a_given_topology(tmp_path, capsys):

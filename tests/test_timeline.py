@@ -397,3 +397,56 @@ def test_a_copied_or_saved_model_carries_inert_timeline_hooks(tmp_path):
     recorded = {(name, activity) for _, _, name, activity, _ in rec.events}
     assert recorded == {(f"{i}.{kind}", act) for i in (0, 1) for kind in ("weight", "bias")
                         for act in ("FORWARD", "BACKWARD")}, recorded
+
+
+def test_forward_spans_tile_the_models_forward_pass():
+    """Work between the modules that own parameters (activations, pooling) is compute too:
+    each FORWARD begins where the previous one ended (the first at the model's forward),
+    as BACKWARD tiles the backward pass. A module called on its own, and one called after
+    a forward pass that raised, get their own forward only. (FORWARD covered only the
+    modules with parameters: the time between them showed as idle, and the summary's
+    overlap counted communication hidden behind it as exposed.)"""
+    import time
+    import torch
+    from bluefog_lite import hooks
+    from bluefog_lite.timeline import _recorder
+
+    class Sleep(torch.nn.Module):
+        def __init__(self, seconds, fail=False):
+            super().__init__()
+            self.seconds, self.fail = seconds, fail
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            if self.fail:
+                raise RuntimeError("a forward that raises")
+            return x
+
+    model = torch.nn.Sequential(Sleep(0.02), torch.nn.Linear(3, 4), Sleep(0.03), torch.nn.Linear(4, 2))
+    raising = torch.nn.Sequential(torch.nn.Linear(2, 2), Sleep(0.01, fail=True))
+    installed = [hooks.timeline_install_hooks(model), hooks.timeline_install_hooks(raising, prefix="r.")]
+    rec, saved = _recorder.Recorder(), _recorder.current
+    _recorder.current = rec
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 3))
+        model[3](torch.randn(2, 4))       # on its own
+        with pytest.raises(RuntimeError, match="a forward that raises"):
+            raising(torch.randn(2, 2))
+        time.sleep(0.05)
+        raising[0](torch.randn(2, 2))     # on its own, after its model's forward raised
+    finally:
+        _recorder.current = saved
+        for h in installed:
+            h.remove()
+    spans = [(name, span) for _, span, name, activity, _ in rec.events if activity == "FORWARD"]
+    first = [span for name, span in spans if name == "1.weight"]
+    second = [span for name, span in spans if name == "3.weight"]
+    after_raise = [span for name, span in spans if name == "r.0.weight"]
+    assert len(first) == 2 and len(second) == 3 and len(after_raise) == 2, spans
+    for k in range(2):
+        assert first[k][1] - first[k][0] >= 20e6, "the sleep before the first Linear is its FORWARD's"
+        assert second[k][0] == first[k][1], "the next FORWARD begins where the previous one ended"
+        assert second[k][1] - second[k][0] >= 30e6, "the sleep between the Linears is the second's FORWARD"
+    for alone in (second[2], after_raise[1]):
+        assert alone[1] - alone[0] < 20e6, f"called on its own: its own forward only ({(alone[1] - alone[0]) / 1e6} ms)"

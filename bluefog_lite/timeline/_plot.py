@@ -20,7 +20,7 @@ from ._slices import SliceReader
 # (label, color, tall) in drawing order; the first matching pattern wins
 _GROUPS = (
     ("user activity", "#d9d9d9", True),
-    ("ENQUEUE_* (caller waits)", "#c6dbef", True),
+    ("ENQUEUE_* (op in flight)", "#c6dbef", True),
     ("MPI_* (communication thread)", "#fdd0a2", True),
     ("FORWARD", "#2171b5", False),
     ("BACKWARD", "#6a51a3", False),

@@ -12,7 +12,9 @@ Overlap = |communication ∩ compute| / |communication|.
 Stragglers: for the k-th call of each named two-sided operation, the agents'
 ENQUEUE_ begins on rank 0's clock; the last one is that call's straggler, and
 it held the call up by its lead over the second-to-last agent. The ranking
-orders the agents by the total time they held calls up.
+orders the agents by the time during which they held at least one call up
+(calls held up at once, e.g. every layer's of one step, count once), and gives
+the sum over calls too.
 """
 import collections
 from array import array
@@ -101,7 +103,8 @@ def stragglers(arrivals):
     """Straggler ranking from {rank: {(op name, kind): ENQUEUE begins by occurrence}}."""
     ops = []
     total_last = collections.Counter()
-    total_held = collections.Counter()
+    total_held = collections.Counter()       # summed over calls
+    held_spans = collections.defaultdict(lambda: (array("d"), array("d")))   # rank -> the spans it held calls up
     total_calls = collections.Counter()
     total_missed = collections.Counter()     # calls ranked without an agent whose file has other calls of the op
     for key in sorted({k for per_agent in arrivals.values() for k in per_agent}):
@@ -118,6 +121,8 @@ def stragglers(arrivals):
             (t2, _), (t1, r_last) = called[-2], called[-1]
             last[r_last] += 1
             held[r_last] += t1 - t2
+            held_spans[r_last][0].append(t2)
+            held_spans[r_last][1].append(t1)
             for _, r in called:
                 total_calls[r] += 1
         if calls == 0:
@@ -127,9 +132,12 @@ def stragglers(arrivals):
         ops.append({"name": key[0], "kind": key[1], "calls": calls,
                     "last": [{"rank": r, "times": n, "held_up_ms": held[r] / 1000.0}
                              for r, n in sorted(last.items(), key=lambda x: (-x[1], -held[x[0]], x[0]))]})
+    held_wall = {r: _intervals.length(_intervals.union(*spans)) for r, spans in held_spans.items()}
     ranking = [{"rank": r, "times_last": total_last[r], "calls": total_calls[r],
-                "held_up_ms": total_held[r] / 1000.0, "calls_missing": total_missed[r]}
-               for r in sorted(total_calls, key=lambda r: (-total_held[r], -total_last[r], r))]
+                "held_up_ms": held_wall.get(r, 0.0) / 1000.0, "held_up_summed_ms": total_held[r] / 1000.0,
+                "calls_missing": total_missed[r]}
+               for r in sorted(total_calls, key=lambda r: (-held_wall.get(r, 0.0), -total_held[r],
+                                                           -total_last[r], r))]
     return {"operations": ops, "ranking": ranking}
 
 
@@ -194,11 +202,13 @@ def _format_stragglers(st):
                      f"{top['held_up_ms']:.3f}", others or "-"])
     lines += _table(["operation", "kind", "calls", "last most often", "times", "held up ms",
                      "others last (rank:times)"], rows)
-    lines += ["", "straggler ranking over all operations (by the total time each agent held calls up):"]
+    lines += ["", "straggler ranking over all operations (by the time during which each agent held at least one "
+              "call up; summed: over calls, so calls held up at once count each)"]
     rows = [[f"rank {x['rank']}", f"{x['times_last']} of {x['calls']}",
-             f"{100.0 * x['times_last'] / x['calls']:.1f}" if x["calls"] else "-", f"{x['held_up_ms']:.3f}"]
+             f"{100.0 * x['times_last'] / x['calls']:.1f}" if x["calls"] else "-", f"{x['held_up_ms']:.3f}",
+             f"{x['held_up_summed_ms']:.3f}"]
             for x in st["ranking"]]
-    lines += _table(["agent", "last", "last %", "held up ms"], rows)
+    lines += _table(["agent", "last", "last %", "held up ms", "summed ms"], rows)
     return lines
 
 
