@@ -8,13 +8,13 @@ Static mode mixes over the Exp-2 graph; --dynamic uses the one-peer Exp-2 schedu
 in log2(n) steps when n is a power of two. Prints the distance to the true average.
 """
 import argparse
-import os
 
 import numpy as np
 import torch
 
 import bluefog_lite as bf
 import topology as topo
+from _timeline_note import timeline_note
 
 
 def main():
@@ -53,10 +53,9 @@ def main():
             np.save(args.save, rows.numpy())
         print(f"final distance to the average: {dist:.3e}")
     bf.shutdown()
-    prefix = os.environ.get("BLUEFOG_TIMELINE")
-    if prefix and bf_rank == 0:
-        print(f"timeline: one file per agent, {prefix}0.json .. {prefix}{bf_size - 1}.json; open them in "
-              "https://ui.perfetto.dev or chrome://tracing (see docs/timeline.md)")
+    note = timeline_note(bf_size)
+    if note and bf_rank == 0:
+        print(note)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 import bluefog_lite as bf
 import topology as topo
+from _timeline_note import timeline_note
 
 SIDE, CLASSES, MAX_SHIFT, NOISE = 16, 10, 2, 1.0
 
@@ -165,9 +166,13 @@ def main():
         acc = train(name, args, (images.unsqueeze(1), labels), (test_images.unsqueeze(1), test_labels))
         accs = bf.allgather(acc.reshape(1), name="final_accuracy")
         results.append(f"{name} {100 * accs.mean():.1f} % (worst agent {100 * accs.min():.1f} %)")
-    if bf.rank() == 0:
+    rank, size = bf.rank(), bf.size()
+    if rank == 0:
         print("final test accuracy: " + ", ".join(results), flush=True)
     bf.shutdown()
+    note = timeline_note(size)
+    if note and rank == 0:
+        print(note)
 
 
 if __name__ == "__main__":

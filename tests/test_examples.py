@@ -244,3 +244,29 @@ def test_cnn_reaches_the_stated_accuracy_with_each_optimizer(device):
     assert sorted(worst) == ["atc", "awc", "winput"], final
     for name, acc in worst.items():
         assert float(acc) / 100 >= ideal - 0.10, f"{name}: worst agent {acc} % (ideal {100 * ideal:.1f} %)"
+
+
+def test_readme_main_example_trains_and_says_where_its_timeline_is(tmp_path):
+    """The README's first set-up command (SPEC section 0): a 4-agent decentralized training
+    run with the timeline on that tells the user where the files are and how to look at them."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)
+    command = blocks[0].split(" && ")[-1].split()
+    assert command[:5] == ["bfrun", "-np", "4", "--timeline-filename", "timeline_"], command
+    assert command[5] == "python" and command[6].startswith("examples/"), command
+    cmd = [sys.executable, os.path.join(REPO, "bfrun"), *command[1:5], sys.executable,
+           os.path.join(REPO, command[6]), *command[7:]]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    final = re.search(r"final test accuracy: \w+ ([\d.]+) % \(worst agent ([\d.]+) %\)", proc.stdout)
+    assert final and float(final.group(2)) >= 90.0, proc.stdout[-3000:]      # it trained
+    prefix = str(tmp_path / "timeline_")
+    assert f"{prefix}0.json .. {prefix}3.json" in proc.stdout, proc.stdout[-3000:]
+    assert f"bftimeline summary {prefix}" in proc.stdout
+    from bluefog_lite.timeline import _summary
+    summary = _summary.summarize(prefix)
+    assert [a["rank"] for a in summary["agents"]] == [0, 1, 2, 3]
+    assert all(a["time_ms"].get("FORWARD", 0) > 0 and a["time_ms"].get("BACKWARD", 0) > 0
+               and a["time_ms"].get("communication", 0) > 0 for a in summary["agents"]), summary["agents"]
