@@ -335,6 +335,8 @@ def test_timeline_start_stop_at_run_time(tmp_path):
             acts = t.activities(p, "main")
             assert acts.count("FORWARD") == 2 and acts.count("BACKWARD") == 2, (p, acts)
             assert acts.count("ENQUEUE_NEIGHBOR_ALLREDUCE") == 2, (p, acts)
+        same = load(prefix + "same_", r)        # started three times under one prefix: the last
+        assert {"third"} <= set(same.process.values()) and not {"first", "second"} & set(same.process.values())
         again = load(prefix + "again_", r)      # a second file, started without mark_cycles
         assert "again" in again.process.values() and "u" not in again.process.values()
         assert not [i for i in again.instants if i[2] == "CYCLE_START"], "mark_cycles outlived its file"

@@ -174,7 +174,10 @@ def timeline_start(prefix, mark_cycles=False):
     _check_prefix(prefix)
     from .._runtime import state
     st = state()
-    fd = _open_for_writing(timeline_path(prefix, st.rank), "check the prefix given to timeline_start")
+    path = timeline_path(prefix, st.rank)
+    if _session is not None and os.path.exists(path) and os.path.samefile(path, _session.path):
+        _close_session()    # the open file itself: finished before it is opened again (truncated)
+    fd = _open_for_writing(path, "check the prefix given to timeline_start")
     _close_session()        # (only once the new file is open: a bad prefix leaves the open one alone)
     _session = _Session(prefix, st, fd=fd)
     st.engine.mark_cycles = bool(mark_cycles) or st.engine.mark_cycles_env

@@ -74,6 +74,13 @@ for i in range(5):
     bf.timeline_start(f"{prefix}rotate{i}_")
     assert bf.timeline_start_activity("u", "EPOCH") is True
     bf.timeline_stop()
+# the open file's own prefix again (e.g. once per epoch without timeline_stop): the open file
+# is finished, then started over (the old writer wrote on into the truncated file: invalid JSON)
+for name, calls in (("first", 100), ("second", 30), ("third", 1)):     # each file shorter than the last
+    bf.timeline_start(prefix + "same_")
+    for _ in range(calls):
+        bf.neighbor_allreduce(x, name=name)
+bf.timeline_stop()
 gc.collect()
 kept = [o for o in gc.get_objects() if isinstance(o, _recorder.Recorder)]
 assert not kept, f"{len(kept)} recorders of closed files are kept"
