@@ -316,6 +316,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._timeline_hooks = None     # FORWARD/BACKWARD hooks while a timeline is open
         self._timeline_wanted = True    # turn_off_timeline() / turn_on_timeline()
         _timeline.follow(self)
+        _timeline.counted_by_wrapper(self, optimizer)     # (its step() counts for the timeline's step window)
         self.timeline_changed()
 
     _wait = staticmethod(ops.synchronize)     # waits for one of the wrapper's handles

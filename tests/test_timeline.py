@@ -452,3 +452,21 @@ def test_forward_spans_tile_the_models_forward_pass():
         assert second[k][1] - second[k][0] >= 30e6, "the sleep between the Linears is the second's FORWARD"
     for alone in (second[2], after_raise[1]):
         assert alone[1] - alone[0] < 20e6, f"called on its own: its own forward only ({(alone[1] - alone[0]) / 1e6} ms)"
+
+
+@pytest.mark.parametrize("mode", ["plain", "wrapped", "none"])
+def test_step_window_counts_plain_and_wrapped_optimizers(tmp_path, mode):
+    """A script with a plain torch.optim optimizer gets its window (it recorded nothing: only
+    the wrappers counted steps); a wrapper's step, which steps the optimizer it wraps, counts
+    once; with no optimizer step at all the file is empty and shutdown warns."""
+    prefix = str(tmp_path / "win")
+    _, out = run_agents(2, "tl_steps_optimizers.py", mode, timeout=60, env={
+        "BLUEFOG_TIMELINE": prefix, "BLUEFOG_TIMELINE_START_STEP": "2", "BLUEFOG_TIMELINE_END_STEP": "3"})
+    for r in range(2):
+        names = set(load(prefix, r).process.values())
+        if mode == "none":
+            assert not {n for n in names if n.startswith("step")}, names
+        else:
+            assert {n for n in names if n.startswith("step")} == {"step2", "step3"}, names
+    never = "the step window (BLUEFOG_TIMELINE_START_STEP=2) never opened: this agent made 0 optimizer steps"
+    assert out.count(never) == (2 if mode == "none" else 0), out[-3000:]

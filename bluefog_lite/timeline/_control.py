@@ -3,7 +3,8 @@ at run time, and the optimizer-step window.
 
 Environment (read by init()):
   BLUEFOG_TIMELINE=PREFIX            every agent writes PREFIX<rank>.json
-  BLUEFOG_TIMELINE_START_STEP=k      record from optimizer step k (counted from 0)
+  BLUEFOG_TIMELINE_START_STEP=k      record from optimizer step k (counted from 0: the steps of
+                                     the optimizer wrappers and of other torch.optim optimizers)
   BLUEFOG_TIMELINE_END_STEP=m        ... through step m, then finish the file
   BLUEFOG_TIMELINE_MARK_CYCLES=1     an instant event per communication-thread cycle
 """
@@ -12,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 
 from . import _clock, _recorder
@@ -23,6 +25,7 @@ _clock_sync = None  # (offset_us, rtt_us, shared with rank 0) measured at init, 
 _run = (None, None)  # (id, rank 0's wall time at init): the same on every agent of a run (measure_clock)
 _followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
 _lock = threading.RLock()        # opening and closing files: callers may be on several threads
+_counted_by_wrappers = weakref.WeakSet()   # the optimizer wrappers and what they wrap: they count their steps
 
 
 def _locked(fn):
@@ -80,6 +83,7 @@ class _Session:
         self.writer = Writer(fd, self.path, self.recorder, _metadata(prefix, st, start_step, end_step),
                              names)
         self.recording = False
+        self.step_hook = None     # torch's optimizer step hook, while a step window is configured
 
     def record(self):
         self.writer.start()
@@ -90,6 +94,14 @@ class _Session:
         if _recorder.current is self.recorder:
             _recorder.current = None
         self.writer.close(time.perf_counter_ns())
+        if self.step_hook is not None:
+            self.step_hook.remove()
+            if not self.recording:
+                warnings.warn(
+                    f"timeline {self.path}: the step window (BLUEFOG_TIMELINE_START_STEP={self.start_step}) never "
+                    f"opened: this agent made {_steps} optimizer steps (step() of an optimizer wrapper or of a "
+                    "torch.optim optimizer), so the file holds no events. Without an optimizer, record with "
+                    "bf.timeline_start(prefix) / bf.timeline_stop()", RuntimeWarning, stacklevel=2)
 
 
 def _metadata(prefix, st, start_step, end_step):
@@ -159,9 +171,24 @@ def start_from_environment():
     _close_session()
     _steps = 0
     _session = _Session(prefix, st, start, end, fd)
+    if start > 0 or end is not None:
+        # other torch.optim optimizers' steps count too (a script without a wrapper)
+        from torch.optim.optimizer import register_optimizer_step_post_hook    # (the tools do without torch)
+        _session.step_hook = register_optimizer_step_post_hook(_optimizer_stepped)
     if start == 0:
         _session.record()
     _tell_followers()
+
+
+def counted_by_wrapper(*optimizers):
+    """An optimizer wrapper and the optimizer it wraps: the wrapper counts its steps
+    itself (step()), so torch's step hook does not count them again."""
+    _counted_by_wrappers.update(optimizers)
+
+
+def _optimizer_stepped(optimizer, args, kwargs):
+    if optimizer not in _counted_by_wrappers:
+        step()
 
 
 @_locked
