@@ -417,12 +417,15 @@ class Engine(CallerDrive, StallInspector):
         The communication thread lets go of the drive lock while it sleeps; a caller
         running the loop (``caller``) keeps it, and restores the thread's sleeping
         state when it wakes."""
-        if waited < self.yield_window_s and (self._active or self.stream.pending_recvs):
+        backoff_ends = self._backoff_ends()
+        if backoff_ends is None and waited < self.yield_window_s and (self._active or self.stream.pending_recvs):
             _yield()     # stay on the CPU a moment: a sleep costs a cold wake-up
             return False
         bell = self.doorbell
         news = self._expects_news()
-        if self._needs_polling():
+        if backoff_ends is not None:
+            timeout = min(self.wait_sleep_max_s, max(0.0, backoff_ends - _monotonic()))
+        elif self._needs_polling():
             timeout = min(self.wait_sleep_max_s, max(5e-5, waited / 4))
         elif news or self.stream.unposted or not bell.covers_all:
             timeout = self.progress_poke_s
@@ -471,6 +474,25 @@ class Engine(CallerDrive, StallInspector):
             self._handback.wait(min(timeout, self.progress_poke_s))
             self._handback.clear()
         bell.drain()
+
+    def _backoff_ends(self):
+        """When the active operations wait only for backoffs (Sleep: a window mutex
+        another agent holds, a window op's turn) or for their collective's turn, with
+        nothing being received and every peer able to ring: the end of the first
+        backoff, which the loop can sleep until. None otherwise. (Each backoff that
+        ended and began again counted as progress: the loop spun through its yield
+        window and short sleeps every retry, a quarter of a core per waiting agent.)"""
+        if not self._active or self.stream.pending_recvs or not self.doorbell.covers_all:
+            return None
+        first = None
+        for op in self._active:
+            w = op.wait
+            if w.__class__ is Sleep:
+                if first is None or w.until < first:
+                    first = w.until
+            elif op.finished_task or w.__class__ is not Turn:
+                return None
+        return first
 
     def _needs_polling(self):
         """True while progress depends on MPI calls that no ring announces: data

@@ -51,3 +51,7 @@ def test_mutex_wait_warns_then_times_out():
     _, out = run_agents(2, "win_timeout.py", timeout=60,
                         env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "3"})
     assert "waited" in out and "for the mutex of window 'held' on rank 0 (held by rank 0)" in out
+
+
+def test_waiting_for_a_held_mutex_sleeps():
+    run_agents(4, "win_mutex_sleeps.py", timeout=90)
