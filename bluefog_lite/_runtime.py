@@ -149,6 +149,7 @@ def init(topology_fn=None, is_weighted=False):
                       "importing MPI), but bluefog_lite calls MPI from its communication thread and the caller's: "
                       "results are undefined; leave mpi4py's thread level at its default ('multiple')",
                       RuntimeWarning, stacklevel=2)
+    _every_agent_arrived(MPI.COMM_WORLD)
     comm = MPI.COMM_WORLD.Dup()
     _state.rank, _state.size = comm.rank, comm.size
     # From here on an uncaught error on one agent (a bad topology_fn, a bad
@@ -177,6 +178,17 @@ def init(topology_fn=None, is_weighted=False):
         atexit.register(shutdown)
         _exit_registered = True
     _start_timeline_if_requested()
+
+
+def _every_agent_arrived(world):
+    """Wait, sleeping, until every agent has called init(). The blocking MPI calls
+    that follow spin while they wait (MPICH polls with sched_yield): with MPI started
+    before init() (mpi4py imported first) and one agent late, the others burned half a
+    core each until it came."""
+    request, delay = world.Ibarrier(), 1e-4
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(2 * delay, 2e-3)
 
 
 def _initial_topology(topology_fn, is_weighted, comm):

@@ -127,6 +127,10 @@ def test_shutdown_waiting_for_an_unfinished_operation_does_not_spin():
     assert "shutdown with operations still in flight: ['lonely']" in out
 
 
+def test_init_waiting_for_a_late_agent_does_not_spin():
+    run_agents(4, "runtime_late_init.py", timeout=60)
+
+
 def test_a_send_never_taken_times_out_and_the_receiver_still_gets_it():
     run_agents(2, "runtime_send_waits.py", "timeout", timeout=60, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
