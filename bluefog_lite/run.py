@@ -32,7 +32,7 @@ _RELAY_AS = {signal.SIGHUP: signal.SIGTERM}     # (Hydra's mpiexec dies of SIGHU
 # threading and device settings (names, and prefixes of names).
 _OPENMPI_FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES")
 _OPENMPI_FORWARDED_PREFIXES = ("BLUEFOG_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "TORCH_")
-_OPTIONS_WITH_VALUE = ("-np", "-n", "-H", "--hosts", "--hostfile", "--timeline-filename")
+_OPTIONS_WITH_VALUE = ("-np", "-n", "--num-proc", "-H", "--hosts", "--hostfile", "-hostfile", "--timeline-filename")
 _HYDRA_MARKERS = ("HYDRA", "MPICH", "Intel(R) MPI")
 _OPENMPI_MARKERS = ("Open MPI", "OpenRTE", "PRRTE", "prterun")
 
@@ -144,13 +144,14 @@ def _make_parser() -> argparse.ArgumentParser:
         prog="bfrun", allow_abbrev=False,
         description="Launch a bluefog_lite job: run COMMAND as N MPI ranks.",
         epilog="Example: bfrun -np 4 python examples/cnn_patterns.py --epochs 2")
-    parser.add_argument("-np", "-n", dest="np", type=_positive_int, metavar="N",
+    parser.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int, metavar="N",
                         help="number of ranks (processes) to start")
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", dest="hosts", type=_host_list,
                        metavar="HOST:N,...", help="hosts and ranks per host")
-    hosts.add_argument("--hostfile", metavar="FILE",
-                       help="file listing the hosts, in the launcher's own format")
+    hosts.add_argument("--hostfile", "-hostfile", dest="hostfile", metavar="FILE",
+                       help="file listing the hosts: host:n (MPICH) or host slots=n (Open MPI) per line; "
+                            "either works with either launcher")
     parser.add_argument("--timeline-filename", metavar="PREFIX",
                         help="record a timeline: rank r writes PREFIX<r>.json")
     parser.add_argument("--timeline-mark-cycles", action="store_true",
@@ -250,8 +251,35 @@ def _hostfile_problem(path: str) -> Optional[str]:
         if ":" not in count and (not host or (colon and not (count.isdigit() and int(count) > 0))):
             return (f"line {number} {line.strip()!r}: expected a host name, optionally with a positive process "
                     "count (host:4)")
+        slots = _slots(words)
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            return f"line {number} {line.strip()!r}: slots must be a positive integer (host slots=4)"
         hosts += 1
     return None if hosts else "it names no host"
+
+
+def _slots(words: List[str]) -> Optional[str]:
+    """The value of an Open MPI hostfile line's slots=n, or None."""
+    return next((w[len("slots="):] for w in words[1:] if w.startswith("slots=")), None)
+
+
+def _mpich_hostfile(path: str) -> Optional[str]:
+    """The text of Open MPI's hostfile ``path`` (``host slots=n``, Bluefog's documented
+    format) in MPICH's format (``host:n``), or None if it uses no slots=: Hydra
+    failed on slots= with a screenful of its own parse errors. Other Open MPI
+    keywords (max_slots=) have no MPICH counterpart and are dropped."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    out, translated = [], False
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        slots = _slots(words) if words else None
+        if slots is None:
+            out.append(line)
+        else:
+            out.append(f"{words[0]}:{slots}")
+            translated = True
+    return "\n".join(out) + "\n" if translated else None
 
 
 def _cannot_create_files_in(directory: str) -> Optional[str]:
@@ -366,10 +394,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         launcher = find_launcher()
     except LauncherNotFound as exc:
         return _fail(str(exc))
-    status_dir = None
+    status_dir = translated_hostfile = None
     if launcher.flavor == "mpich" and args.rank_guard:
         status_dir = tempfile.mkdtemp(prefix="bfrun-status-")
     try:
+        if launcher.flavor == "mpich" and args.hostfile:
+            text = _mpich_hostfile(args.hostfile)
+            if text is not None:
+                fd, translated_hostfile = tempfile.mkstemp(prefix="bfrun-hosts-", text=True)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                args.hostfile = translated_hostfile
         command = build_command(args, launcher, os.environ, status_dir)
         if args.verbose:
             print(f"bfrun: {shlex.join(command)}", file=sys.stderr, flush=True)
@@ -382,6 +417,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if status_dir:
             shutil.rmtree(status_dir, ignore_errors=True)
+        if translated_hostfile:
+            os.unlink(translated_hostfile)
 
 
 def _fail(message: str) -> int:

@@ -5,6 +5,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -159,6 +160,7 @@ def test_missing_hostfile_exits_2_without_a_job(tmp_path, monkeypatch, capsys):
     ("localhost:abc\n", "line 1 'localhost:abc': expected a host name, optionally with a positive process count"),
     ("# two hosts\na:2\nb:0\n", "line 3 'b:0': expected a host name"),
     (":4\n", "line 1 ':4': expected a host name"),
+    ("a slots=0\n", "line 1 'a slots=0': slots must be a positive integer"),
     ("\n# nothing\n", "it names no host"),
 ])
 def test_bad_hostfile_lines_exit_2_without_a_job(text, words, tmp_path, monkeypatch, capsys):
@@ -173,6 +175,21 @@ def test_good_hostfiles_of_either_launcher_pass_the_check(tmp_path):
     for text in ("# a comment\na:2\nb\n", "a slots=2\nb slots=2 max_slots=4\n", "::1 slots=2\nfe80::1%eth0\n"):
         (tmp_path / "hosts").write_text(text)
         assert run._hostfile_problem(str(tmp_path / "hosts")) is None
+
+
+def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
+    """Bluefog's bfrun documented hostfiles as `host slots=n`; MPICH's launcher takes
+    `host:n` (it failed on slots= with its own parse errors)."""
+    (tmp_path / "hosts").write_text("# two machines\na slots=2 max_slots=4\nb:3\n\nc slots=1  # last\n")
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) == "# two machines\na:2\nb:3\n\nc:1\n"
+    (tmp_path / "hosts").write_text("a:2\nb\n")
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) is None
+
+
+def test_bluefog_option_spellings():
+    """Bluefog's bfrun took --num-proc and -hostfile (-hostfile was read as -h)."""
+    args = run.parse_args(["--num-proc", "3", "-hostfile", "hosts", "prog", "-x"])
+    assert (args.np, args.hostfile, args.command) == (3, "hosts", ["prog", "-x"])
 
 
 def test_a_launcher_killed_by_a_signal_is_reported(capsys):
@@ -513,3 +530,16 @@ def test_bfrun_runs_through_a_symlink(tmp_path):
     link.symlink_to(BFRUN)
     proc = subprocess.run([sys.executable, str(link), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "Launch a bluefog_lite job" in proc.stdout, proc.stderr
+
+
+@needs_mpich
+def test_an_open_mpi_hostfile_runs_under_mpich(tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    before = set(os.listdir(tempfile.gettempdir()))
+    code = f"import os; os.write(1, ('rank %d\\n' % {RANK}).encode())"
+    rc, out, err = _run_bounded(_bfrun("-np", "2", "--hostfile", str(tmp_path / "hosts"), sys.executable, "-c", code),
+                                timeout=120)
+    assert rc == 0, err
+    assert sorted(out.split("\n")[:-1]) == ["rank 0", "rank 1"], out
+    left = {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("bfrun-hosts-")}
+    assert not left, f"translated hostfiles left behind: {left}"
