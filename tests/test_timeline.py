@@ -470,3 +470,27 @@ def test_step_window_counts_plain_and_wrapped_optimizers(tmp_path, mode):
             assert {n for n in names if n.startswith("step")} == {"step2", "step3"}, names
     never = "the step window (BLUEFOG_TIMELINE_START_STEP=2) never opened: this agent made 0 optimizer steps"
     assert out.count(never) == (2 if mode == "none" else 0), out[-3000:]
+
+
+def test_timeline_context_decorates_a_function():
+    """@bf.timeline_context(name, activity) records each call (Bluefog's contextmanager
+    worked as a decorator; here it raised TypeError: not callable). Nested calls nest."""
+    import bluefog_lite as bf
+    from bluefog_lite.timeline import _recorder
+
+    @bf.timeline_context("loader", "LOAD")
+    def load(depth):
+        """Loads."""
+        return depth if depth == 0 else load(depth - 1) + 1
+
+    rec, saved = _recorder.Recorder(), _recorder.current
+    _recorder.current = rec
+    try:
+        assert load(2) == 2 and load(0) == 0
+    finally:
+        _recorder.current = saved
+    assert load.__doc__ == "Loads." and load(1) == 1      # not recording: just the call
+    marks = [(e[0], e[3]) for e in rec.events if e[2] == "loader"]
+    assert marks == [("S", "LOAD")] * 3 + [("E", "LOAD")] * 3 + [("S", "LOAD"), ("E", "LOAD")], rec.events
+    with pytest.raises(TypeError, match="decorates a function"):
+        bf.timeline_context("loader", "LOAD")(42)

@@ -3,6 +3,7 @@
 Each records on the calling thread, on the row (pid) of ``tensor_name``; when
 the timeline is off they do nothing and return False.
 """
+import functools
 import threading
 
 from . import _recorder
@@ -50,7 +51,9 @@ def timeline_end_activity(tensor_name):
 class timeline_context:
     """``with timeline_context(name, activity):`` records the block as one span.
 
-    ``as`` gives True when the span is being recorded."""
+    ``as`` gives True when the span is being recorded. As a decorator
+    (``@timeline_context(name, activity)``, as Bluefog's contextmanager allowed)
+    it records every call of the function."""
     __slots__ = ("tensor_name", "activity_name", "_rec", "_tid")
 
     def __init__(self, tensor_name, activity_name):
@@ -73,3 +76,14 @@ class timeline_context:
         if rec is not None:
             rec.end(self.tensor_name, self._tid, self.activity_name)
         return False
+
+    def __call__(self, fn):
+        if not callable(fn):
+            raise TypeError(f"timeline_context decorates a function, got {fn!r}")
+        name, activity = self.tensor_name, self.activity_name
+
+        @functools.wraps(fn)
+        def recorded(*args, **kwargs):
+            with timeline_context(name, activity):     # (one per call: calls may nest or run on threads)
+                return fn(*args, **kwargs)
+        return recorded
