@@ -189,6 +189,8 @@ def test_byte_and_switch_variables_are_checked(monkeypatch):
     ("BLUEFOG_CALLER_PROGRESS", "false-ish", "BLUEFOG_CALLER_PROGRESS must be 1 or 0 (on or off), got 'false-ish'"),
     ("BLUEFOG_TIMELINE_MARK_CYCLES", "2", "BLUEFOG_TIMELINE_MARK_CYCLES must be 1 or 0 (on or off), got '2'"),
     ("BLUEFOG_BUFFER_POOL_BYTES", "-5", "BLUEFOG_BUFFER_POOL_BYTES must be a number of bytes (an integer >= 0)"),
+    # (without BLUEFOG_TIMELINE too: it was read only with a timeline)
+    ("BLUEFOG_TIMELINE_START_STEP", "abc", "BLUEFOG_TIMELINE_START_STEP must be a non-negative integer"),
 ])
 def test_init_refuses_a_bad_setting(name, value, words):
     rc, out = run_agents(1, "rel_init_fails.py", timeout=60, expect_ok=False, env={name: value})

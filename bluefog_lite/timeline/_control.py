@@ -161,12 +161,12 @@ def start_from_environment():
     """Called at the end of init(), after measure_clock: opens PREFIX<rank>.json
     when BLUEFOG_TIMELINE is set."""
     global _session, _steps
+    start, end = _window_from_environment()     # (bad values refused even with no timeline)
     prefix = os.environ.get("BLUEFOG_TIMELINE", "")
     if not prefix:
         return
     from .._runtime import state
     st = state()
-    start, end = _window_from_environment()
     fd = _open_for_writing(timeline_path(prefix, st.rank))
     _close_session()
     _steps = 0
