@@ -64,10 +64,8 @@ def allreduce(eng, op, x, average, target):
         with _phase(op.name, "COMPUTE_AVERAGE"):
             if out.is_floating_point() or out.is_complex():
                 out.div_(eng.size)
-            elif wide != dtype:
-                out = torch.div(out, eng.size, rounding_mode="floor")
             else:
-                out.copy_(torch.div(out, eng.size, rounding_mode="floor"))
+                out.div_(eng.size, rounding_mode="floor")
     if target is not None and out is not target:
         target.copy_(out)       # (casts a widened sum back)
         return target

@@ -486,11 +486,13 @@ class Engine(CallerDrive, StallInspector):
             return None
         first = None
         for op in self._active:
+            if op.finished_task:
+                return None
             w = op.wait
             if w.__class__ is Sleep:
                 if first is None or w.until < first:
                     first = w.until
-            elif op.finished_task or w.__class__ is not Turn:
+            elif w.__class__ is not Turn:
                 return None
         return first
 

@@ -31,15 +31,14 @@ def _topology_check(eng, op, sends, recvs):
 
 
 def _send_all(eng, op, key, x, send_plan, members=None):
-    """Send x to every (dst, scale) of the plan (scaled copies where scale is not None)."""
-    same = None
+    """Send x to every (dst, scale) of the plan (a scaled copy per distinct scale that
+    is not None: destinations with the same scale share it)."""
+    outgoing = {}
     for dst, scale in send_plan:
-        if scale is None:
-            if same is None:
-                same = Outgoing(x, members)
-            eng.send_tensor(op, dst, key, same)
-        else:
-            eng.send_tensor(op, dst, key, Outgoing(scaled(x, scale), members))
+        data = outgoing.get(scale)
+        if data is None:
+            data = outgoing[scale] = Outgoing(x if scale is None else scaled(x, scale), members)
+        eng.send_tensor(op, dst, key, data)
     if members is None:     # a fused group marks each member's row itself
         mark_sends(op.name, (dst for dst, _ in send_plan))
 
@@ -281,7 +280,7 @@ def _machine_sum(eng, op, x, local_ranks):
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        total = torch.zeros(x.shape, dtype=_machine_sum_dtype(x))
+        total = torch.empty(x.shape, dtype=_machine_sum_dtype(x))
     with _phase(op.name, "COMMUNICATE"):
         _send_all(eng, op, key, x, [(r, None) for r in peers])
         local = yield Recv([(r, key) for r in peers])
@@ -289,10 +288,16 @@ def _machine_sum(eng, op, x, local_ranks):
         _check_same(op, x, local)
         by_rank = {e.src: e.value for e in local}
         by_rank[eng.rank] = x
-        acc_dtype = total.dtype
         with _phase(op.name, "COMPUTE_AVERAGE"):
-            for r in sorted(by_rank):
-                total.add_(by_rank[r].to(acc_dtype))
+            first, *rest = sorted(by_rank)
+            total.copy_(by_rank[first])
+            widened = None      # a term cast to the sum's dtype (adding mixed dtypes is slower)
+            for r in rest:
+                term = by_rank[r]
+                if term.dtype != total.dtype:
+                    widened = torch.empty_like(total) if widened is None else widened
+                    term = widened.copy_(term)
+                total.add_(term)
         return total
     finally:
         _release(local)
@@ -319,7 +324,7 @@ def local_allreduce(eng, op, x, local_ranks, average):
         if x.is_floating_point() or x.is_complex():
             total.div_(len(local_ranks))
         else:
-            total = torch.div(total, len(local_ranks), rounding_mode="floor")
+            total.div_(len(local_ranks), rounding_mode="floor")
     return total if total.dtype == x.dtype else total.to(x.dtype)
 
 
@@ -358,7 +363,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             # a 16-bit float sum, added in float32: its machine average, rounded once, is
             # what machines exchange and average in the tensor's dtype, as neighbor
             # operations do (the sum itself overflows float16 past 65504 / agents per machine)
-            machine_sum = (machine_sum / len(local_ranks)).to(acc.dtype)
+            machine_sum = machine_sum.div_(len(local_ranks)).to(acc.dtype)
             averaged = True
         else:   # an integer sum goes as float64, the dtype it is weighted in
             machine_sum = machine_sum.to(acc.dtype)

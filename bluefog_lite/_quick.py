@@ -211,15 +211,13 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     (out, the task the loop finishes the call with)."""
     name, s = call.name, eng.stream
     meta = (dtype_name(x.dtype), tuple(x.shape))
-    raw = None
-    for dst, scale in send_plan:     # descriptors, then the data from x (or a scaled copy)
-        if scale is None:
-            if raw is None:
-                raw = tensor_bytes(x)
-            s.send_large(dst, name, meta, raw, x, call.data_requests)
-        else:
-            y = _neighbor_tasks.scaled(x, scale)
-            s.send_large(dst, name, meta, tensor_bytes(y), y, call.data_requests)
+    outgoing = {}    # scale -> (tensor, its bytes): x, or one scaled copy per distinct scale
+    for dst, scale in send_plan:     # descriptors, then the data
+        data = outgoing.get(scale)
+        if data is None:
+            y = x if scale is None else _neighbor_tasks.scaled(x, scale)
+            data = outgoing[scale] = (y, tensor_bytes(y))
+        s.send_large(dst, name, meta, data[1], data[0], call.data_requests)
     eng.ring_peers()
     out = torch.empty_like(x)
     keys = [(src, name) for src in recv_from]

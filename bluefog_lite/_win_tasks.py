@@ -358,10 +358,13 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
             p_self, keep = float(win.p[0]), []
             if win.nbytes and x.dtype != win.stored:
                 x = x.to(win.stored)        # a float16/bfloat16 window (STORED_AS)
+            scratch, scratch_w = None, None     # w * x, reused: each transfer completes before the next
             for dst in targets:
                 w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
                 if win.nbytes:
-                    src = (x if w == 1.0 else scaled(x, w)).numpy()
+                    if w != 1.0 and w != scratch_w:
+                        scratch, scratch_w = _scaled_into(scratch, x, w), w
+                    src = (x if w == 1.0 else scratch).numpy()
                     keep.append(src)        # alive until the flush below
                     if accumulate:
                         req = win.win.Raccumulate([src, win.mpi_type], dst, target=lay.buf(i), op=MPI.SUM)
@@ -388,6 +391,14 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
         if with_p:
             win.p[0] *= self_weight
     return True
+
+
+def _scaled_into(out, x, w):
+    """w * x, written into out (a tensor like x, or None: allocated) where x is floating
+    point; an integer x gets a new rounded copy, as in scaled."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return scaled(x, w)
+    return torch.mul(x, w, out=out if out is not None else torch.empty_like(x))
 
 
 def scale_in_place(t, w):
@@ -427,7 +438,7 @@ def get(eng, op, win, src_weights, require_mutex, with_p, current=None):
                     win.win.Flush(src)
                     win.p[1 + i] = pv[0] * w
                 if w != 1.0 and win.nbytes:
-                    win.buffers[i].copy_(scaled(win.buffers[i], w))
+                    scale_in_place(win.buffers[i], w)
             _reset_versions(win, [win.in_index[s] for s in sorted(src_weights)])
     finally:
         release(win, locked)

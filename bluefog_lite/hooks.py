@@ -10,7 +10,8 @@ its communication, so that a layer's compute and communication share a row):
   pass ended (the previous module's forward; for the first, the model's forward
   pre-hook), whichever is earlier, so the FORWARD spans of one pass tile it:
   work between modules that own parameters (activations, pooling, reshapes)
-  counts as compute of the next one, as it does in BACKWARD. A module called
+  counts as compute of the next one, as it does in BACKWARD (an optimizer
+  wrapper's launch of a module's communication does not: see launched()). A module called
   outside the model's forward gets its own forward only. The end hook runs
   before the module's other forward hooks, even ones registered earlier (an
   optimizer wrapper's launch of the parameter's communication), so the ENQUEUE
@@ -52,6 +53,7 @@ _now_ns = _recorder.now_ns
 
 
 _installed = weakref.WeakKeyDictionary()   # model -> {TimelineHooks in place on it: installed by a wrapper}
+_forwards = set()          # the _Pass of each model whose forward is in progress (while recording)
 
 
 class TimelineHooks:
@@ -201,7 +203,22 @@ class _PassForwardBegin(CopiedInert):
         self.state = state
 
     def __call__(self, module, args):
-        self.state.forward = _now_ns() if _recorder.current is not None else 0
+        if _recorder.current is None:
+            self.state.forward = 0
+        else:
+            self.state.forward = _now_ns()
+            _forwards.add(self.state)
+
+
+def launched():
+    """An optimizer wrapper's forward hook has started a module's communication: the
+    next FORWARD stretch of each model forward in progress begins now (the launch is
+    the operation's ENQUEUE_, not compute)."""
+    if _forwards and _recorder.current is not None:
+        now = _now_ns()
+        for state in _forwards:
+            if state.forward:
+                state.forward = now
 
 
 class _PassForwardEnd(CopiedInert):
@@ -216,6 +233,7 @@ class _PassForwardEnd(CopiedInert):
 
     def __call__(self, module, args, output):
         self.state.forward = 0
+        _forwards.discard(self.state)
         if _recorder.current is None:
             return
         self.state.begun.clear()

@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from . import ops, windows
 from ._local_steps import NoStepRule, check_step_function, step_function_for
 from ._runtime import state
-from .hooks import CopiedInert, install_unless_present
+from .hooks import CopiedInert, install_unless_present, launched
 from .timeline import _control as _timeline
 
 
@@ -112,6 +112,7 @@ class _AfterForward(CopiedInert):
             if name not in wrapper._launched and name not in frozen:
                 self.launch(name, p)
                 wrapper._launched.add(name)     # (not if the launch raised: step() starts it then)
+        launched()      # (timeline: the next layer's FORWARD begins after the launch)
 
 
 class _CountForward(CopiedInert):

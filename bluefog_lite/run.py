@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -259,8 +260,9 @@ def _hostfile_problem(path: str) -> Optional[str]:
 
 
 def _slots(words: List[str]) -> Optional[str]:
-    """The value of an Open MPI hostfile line's slots=n, or None."""
-    return next((w[len("slots="):] for w in words[1:] if w.startswith("slots=")), None)
+    """The value of an Open MPI hostfile line's slots=n (also slots = n), or None."""
+    found = re.search(r"(?:^|\s)slots\s*=\s*(\S*)", " ".join(words[1:]))
+    return found.group(1) if found else None
 
 
 def _mpich_hostfile(path: str) -> Optional[str]:
@@ -276,6 +278,9 @@ def _mpich_hostfile(path: str) -> Optional[str]:
         slots = _slots(words) if words else None
         if slots is None:
             out.append(line)
+        elif ":" in words[0]:
+            raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes host:n, which cannot hold the IPv6 "
+                             f"address {words[0]}: name the host, or use host:n lines")
         else:
             out.append(f"{words[0]}:{slots}")
             translated = True
@@ -399,7 +404,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         status_dir = tempfile.mkdtemp(prefix="bfrun-status-")
     try:
         if launcher.flavor == "mpich" and args.hostfile:
-            text = _mpich_hostfile(args.hostfile)
+            try:
+                text = _mpich_hostfile(args.hostfile)
+            except ValueError as exc:
+                return _fail(f"--hostfile {args.hostfile!r}: {exc}")
             if text is not None:
                 fd, translated_hostfile = tempfile.mkstemp(prefix="bfrun-hosts-", text=True)
                 with os.fdopen(fd, "w") as f:

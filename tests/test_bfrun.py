@@ -180,10 +180,13 @@ def test_good_hostfiles_of_either_launcher_pass_the_check(tmp_path):
 def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
     """Bluefog's bfrun documented hostfiles as `host slots=n`; MPICH's launcher takes
     `host:n` (it failed on slots= with its own parse errors)."""
-    (tmp_path / "hosts").write_text("# two machines\na slots=2 max_slots=4\nb:3\n\nc slots=1  # last\n")
-    assert run._mpich_hostfile(str(tmp_path / "hosts")) == "# two machines\na:2\nb:3\n\nc:1\n"
-    (tmp_path / "hosts").write_text("a:2\nb\n")
+    (tmp_path / "hosts").write_text("# two machines\na slots=2 max_slots=4\nb:3\n\nc slots=1  # last\nd slots = 3\n")
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) == "# two machines\na:2\nb:3\n\nc:1\nd:3\n"
+    (tmp_path / "hosts").write_text("a:2\nb max_slots=4\n")
     assert run._mpich_hostfile(str(tmp_path / "hosts")) is None
+    (tmp_path / "hosts").write_text("fe80::1 slots=2\n")       # host:n cannot hold it
+    with pytest.raises(ValueError, match="cannot hold the IPv6 address fe80::1"):
+        run._mpich_hostfile(str(tmp_path / "hosts"))
 
 
 def test_bluefog_option_spellings():

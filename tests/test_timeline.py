@@ -454,7 +454,35 @@ def test_forward_spans_tile_the_models_forward_pass():
         assert alone[1] - alone[0] < 20e6, f"called on its own: its own forward only ({(alone[1] - alone[0]) / 1e6} ms)"
 
 
-@pytest.mark.parametrize("mode", ["plain", "wrapped", "none"])
+def test_a_wrappers_launch_is_not_in_the_next_forward_span():
+    """An optimizer wrapper starts a layer's communication from its forward hook (after
+    FORWARD's end): that launch is the operation's ENQUEUE_, so the next layer's FORWARD
+    begins after it (it began at the layer's end, swallowing every launch)."""
+    import time
+    import torch
+    from bluefog_lite import hooks
+    from bluefog_lite.timeline import _recorder
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+    def slow_launch(module, args, output):       # as optimizers._AfterForward does
+        time.sleep(0.03)
+        hooks.launched()
+    model[0].register_forward_hook(slow_launch)
+    installed = hooks.timeline_install_hooks(model)
+    rec, saved = _recorder.Recorder(), _recorder.current
+    _recorder.current = rec
+    try:
+        model(torch.randn(2, 3))
+    finally:
+        _recorder.current = saved
+        installed.remove()
+    span = {name: s for _, s, name, activity, _ in rec.events if activity == "FORWARD"}
+    assert span["1.weight"][0] - span["0.weight"][1] >= 30e6, span
+    assert span["1.weight"][1] - span["1.weight"][0] < 20e6, span
+
+
+@pytest.mark.parametrize("mode", ["plain", "wrapped", "nested", "nested_wrapped", "none"])
 def test_step_window_counts_plain_and_wrapped_optimizers(tmp_path, mode):
     """A script with a plain torch.optim optimizer gets its window (it recorded nothing: only
     the wrappers counted steps); a wrapper's step, which steps the optimizer it wraps, counts

@@ -26,6 +26,8 @@ _run = (None, None)  # (id, rank 0's wall time at init): the same on every agent
 _followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
 _lock = threading.RLock()        # opening and closing files: callers may be on several threads
 _counted_by_wrappers = weakref.WeakSet()   # the optimizer wrappers and what they wrap: they count their steps
+_torch_hooks = None      # torch's global optimizer step hooks, once a step window was configured
+_stepping = threading.local()    # .stack: the optimizers whose step() runs on this thread, outermost first
 
 
 def _locked(fn):
@@ -83,25 +85,30 @@ class _Session:
         self.writer = Writer(fd, self.path, self.recorder, _metadata(prefix, st, start_step, end_step),
                              names)
         self.recording = False
-        self.step_hook = None     # torch's optimizer step hook, while a step window is configured
+        self.counts_torch_steps = False    # a step window: torch.optim optimizers' steps count
+        self.identity = os.fstat(fd)[1:3]  # (inode, device): the file, however its path is written
 
     def record(self):
         self.writer.start()
         self.recording = True
         _recorder.current = self.recorder
 
-    def close(self):
+    def close(self, at_shutdown=False):
         if _recorder.current is self.recorder:
             _recorder.current = None
         self.writer.close(time.perf_counter_ns())
-        if self.step_hook is not None:
-            self.step_hook.remove()
-            if not self.recording:
-                warnings.warn(
-                    f"timeline {self.path}: the step window (BLUEFOG_TIMELINE_START_STEP={self.start_step}) never "
-                    f"opened: this agent made {_steps} optimizer steps (step() of an optimizer wrapper or of a "
-                    "torch.optim optimizer), so the file holds no events. Without an optimizer, record with "
-                    "bf.timeline_start(prefix) / bf.timeline_stop()", RuntimeWarning, stacklevel=2)
+        if at_shutdown and self.counts_torch_steps and not self.recording:
+            warnings.warn(
+                f"timeline {self.path}: the step window (BLUEFOG_TIMELINE_START_STEP={self.start_step}) never "
+                f"opened: this agent made {_steps} optimizer steps (step() of an optimizer wrapper or of a "
+                "torch.optim optimizer), so the file holds no events. Without an optimizer, record with "
+                "bf.timeline_start(prefix) / bf.timeline_stop()", RuntimeWarning, stacklevel=2)
+
+    def is_file(self, path):
+        try:
+            return os.stat(path)[1:3] == self.identity
+        except OSError:
+            return False
 
 
 def _metadata(prefix, st, start_step, end_step):
@@ -172,9 +179,8 @@ def start_from_environment():
     _steps = 0
     _session = _Session(prefix, st, start, end, fd)
     if start > 0 or end is not None:
-        # other torch.optim optimizers' steps count too (a script without a wrapper)
-        from torch.optim.optimizer import register_optimizer_step_post_hook    # (the tools do without torch)
-        _session.step_hook = register_optimizer_step_post_hook(_optimizer_stepped)
+        _count_torch_steps()
+        _session.counts_torch_steps = True
     if start == 0:
         _session.record()
     _tell_followers()
@@ -186,8 +192,40 @@ def counted_by_wrapper(*optimizers):
     _counted_by_wrappers.update(optimizers)
 
 
+def _count_torch_steps():
+    """Register torch's global optimizer step hooks (once per process: never removed,
+    as one may end the window while torch runs them; they count while a session
+    with a step window is open). Only the outermost step() of a thread counts: an
+    optimizer that steps another inside its step() (Lookahead, SAM) is one step."""
+    global _torch_hooks
+    if _torch_hooks is None:
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,    # (the tools do without torch)
+                                           register_optimizer_step_pre_hook)
+        _torch_hooks = (register_optimizer_step_pre_hook(_optimizer_steps),
+                        register_optimizer_step_post_hook(_optimizer_stepped))
+
+
+def _stack_without(optimizer):
+    """This thread's stack of optimizers in step(), without optimizer and any above it
+    (still there if its step() raised)."""
+    stack = getattr(_stepping, "stack", None)
+    if stack is None:
+        stack = _stepping.stack = []
+    for i, other in enumerate(stack):
+        if other is optimizer:
+            del stack[i:]
+            break
+    return stack
+
+
+def _optimizer_steps(optimizer, args, kwargs):
+    _stack_without(optimizer).append(optimizer)
+
+
 def _optimizer_stepped(optimizer, args, kwargs):
-    if optimizer not in _counted_by_wrappers:
+    stack = _stack_without(optimizer)
+    session = _session
+    if not stack and optimizer not in _counted_by_wrappers and session is not None and session.counts_torch_steps:
         step()
 
 
@@ -202,7 +240,7 @@ def timeline_start(prefix, mark_cycles=False):
     from .._runtime import state
     st = state()
     path = timeline_path(prefix, st.rank)
-    if _session is not None and os.path.exists(path) and os.path.samefile(path, _session.path):
+    if _session is not None and _session.is_file(path):
         _close_session()    # the open file itself: finished before it is opened again (truncated)
     fd = _open_for_writing(path, "check the prefix given to timeline_start")
     _close_session()        # (only once the new file is open: a bad prefix leaves the open one alone)
@@ -219,17 +257,17 @@ def timeline_stop():
     _tell_followers()
 
 
-def _close_session():
+def _close_session(at_shutdown=False):
     global _session
     session, _session = _session, None
     if session is not None:
-        session.close()
+        session.close(at_shutdown)
 
 
 @_locked
 def stop_timeline():
     """Called by shutdown(), after the communication thread has stopped."""
-    _close_session()
+    _close_session(at_shutdown=True)
     _tell_followers()
 
 

@@ -6,6 +6,7 @@ them at timeline_stop); model B has hooks installed by hand, so its wrapper adds
 none (no span recorded twice). Two steps of each are recorded."""
 import collections
 import gc
+import os
 import sys
 
 import torch
@@ -81,6 +82,17 @@ for name, calls in (("first", 100), ("second", 30), ("third", 1)):     # each fi
     for _ in range(calls):
         bf.neighbor_allreduce(x, name=name)
 bf.timeline_stop()
+# the open file named by a relative path, then another working directory: starting a file
+# that exists already compared it with the open one's path from the new directory (FileNotFoundError)
+here = os.getcwd()
+os.chdir(os.path.dirname(prefix))
+bf.timeline_start("relative_")
+os.chdir("/")
+with open(f"{prefix}other_{bf.rank()}.json", "w") as f:
+    f.write("an older file\n")
+bf.timeline_start(prefix + "other_")
+bf.timeline_stop()
+os.chdir(here)
 gc.collect()
 kept = [o for o in gc.get_objects() if isinstance(o, _recorder.Recorder)]
 assert not kept, f"{len(kept)} recorders of closed files are kept"

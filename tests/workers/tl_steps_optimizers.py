@@ -1,14 +1,18 @@
 """The step window counts the steps of every optimizer: a plain torch.optim optimizer
-(no wrapper) and a wrapper (whose own step() steps the wrapped optimizer: counted once).
-Without any optimizer the window never opens, and shutdown says so.
+(no wrapper), a wrapper (whose own step() steps the wrapped optimizer: counted once),
+an optimizer that steps another in its step() (Lookahead-like: once), with or without
+a wrapper around it. Without any optimizer the window never opens, and shutdown says
+so. Another global step hook registered after init() sees every step (ending the
+window inside torch's hooks made torch raise "OrderedDict mutated during iteration").
 
-argv[1]: plain | wrapped | none. Steps k = 0, 1, ...: one neighbor_allreduce named
-step<k>, then the optimizer's step."""
+argv[1]: plain | wrapped | nested | nested_wrapped | none. Steps k = 0, 1, ...: one
+neighbor_allreduce named step<k>, then the optimizer's step."""
 import os
 import sys
 import warnings
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import bluefog_lite as bf
 from bluefog_lite.timeline import _recorder
@@ -19,8 +23,25 @@ start = int(os.environ["BLUEFOG_TIMELINE_START_STEP"])
 end = int(os.environ["BLUEFOG_TIMELINE_END_STEP"])
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-if mode == "wrapped":
+
+
+class Nested(torch.optim.Optimizer):
+    """Steps the optimizer it holds (as Lookahead does)."""
+
+    def __init__(self, inner):
+        super().__init__(inner.param_groups, inner.defaults)
+        self.inner = inner
+
+    def step(self, closure=None):
+        self.inner.step()
+
+
+if mode.startswith("nested"):
+    opt = Nested(opt)
+if mode.endswith("wrapped"):
     opt = bf.DistributedAdaptWithCombineOptimizer(opt, model)
+seen = []
+register_optimizer_step_post_hook(lambda o, args, kwargs: seen.append(o))
 x = torch.ones(8)
 for k in range(end + 3):
     assert (_recorder.current is not None) == (start <= k <= end) or mode == "none", (k, mode)
@@ -29,6 +50,8 @@ for k in range(end + 3):
     model(torch.ones(2, 4)).sum().backward()
     if mode != "none":
         opt.step()
+outer = [o for o in seen if o is opt]     # (the other hook saw every step)
+assert len(outer) == (0 if mode == "none" else end + 3), (mode, len(outer))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     bf.shutdown()
