@@ -801,3 +801,28 @@ def test_window_operations_phases_are_not_kept_after_their_span():
         ex.add(Slice(1, 2, "COMMUNICATE", t + 1, t + 5, True))
         ex.add(Slice(1, 2, "MPI_WIN_PUT", t, t + 6, True))
     assert not any(ex._communicate.values()) and not any(ex._sends.values())
+
+
+def test_summary_lists_each_operations_communication_time(tmp_path, capsys):
+    """Per operation: the mean over the agents of its COMMUNICATE and MPI_ time, its calls,
+    the longest COMMUNICATE first (no per-operation figure said which layer's exchange
+    took the time)."""
+    prefix = str(tmp_path / "tl_")
+    for r in range(2):
+        slices = []
+        for k in range(2):      # "big": MPI_ 6000 + 1000 r µs, COMMUNICATE 5000 + 1000 r
+            t = 100000.0 * (k + 1)
+            slices += op_call("big", "NEIGHBOR_ALLREDUCE", (t, t + 7000 + 1000 * r), (t + 10, t + 6010 + 1000 * r),
+                              (t + 20, t + 5020 + 1000 * r))
+        for k in range(3):      # "small": MPI_ 3000 µs, COMMUNICATE 1000
+            t = 50000.0 + 100000.0 * k
+            slices += op_call("small", "ALLREDUCE", (t, t + 4000), (t + 10, t + 3010), (t + 20, t + 1020))
+        write_agent(f"{prefix}{r}.json", r, 2, slices)
+    code, out, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    ops = load_json(tmp_path / "s.json")["operations"]
+    assert [(o["name"], o["calls"], o["agents"]) for o in ops] == [("big", 2, 2), ("small", 3, 2)]
+    assert ops[0]["communicate_ms"] == pytest.approx(2 * 5.5) and ops[0]["mpi_ms"] == pytest.approx(2 * 6.5)
+    assert ops[1]["communicate_ms"] == pytest.approx(3 * 1.0) and ops[1]["mpi_ms"] == pytest.approx(3 * 3.0)
+    table = out[out.index("operations by communication time"):].splitlines()
+    assert table[2].split() == ["big", "2", "11.000", "13.000", "5.500"], table[:4]

@@ -9,6 +9,12 @@ Times are lengths of unions (a phase running on two rows at once counts once):
   of all its slices: no activity of any kind recorded.
 Overlap = |communication ∩ compute| / |communication|.
 
+Operations: per operation name (a layer's parameter, a window...), the mean over
+the agents of its COMMUNICATE time and of its MPI_ time, and its calls, the
+longest COMMUNICATE first: where the communication time goes (several
+operations in flight at once each count their own time; MPI_ also holds the
+wait for a collective's turn behind the ones before it).
+
 Stragglers: for the k-th call of each named two-sided operation, the agents'
 ENQUEUE_ begins on rank 0's clock; the last one is that call's straggler, and
 it held the call up by its lead over the second-to-last agent. The ranking
@@ -47,14 +53,27 @@ def summarize(prefix, compute=(), allow_missing=False, output=None):
     found = find_agents(prefix, allow_missing)
     if output is not None:
         refuse_as_output(found, output, "summary")
+    per_op = collections.defaultdict(list)       # name -> each agent's (MPI_ us, COMMUNICATE us, calls)
     for agent in found:
-        row, arrivals[agent.rank] = _agent_summary(agent, compute)
+        row, arrivals[agent.rank], ops = _agent_summary(agent, compute)
         agents.append(row)
+        for name, times in ops.items():
+            per_op[name].append(times)
     asked = [name for name in compute if name not in COMPUTE]
     return {"prefix": prefix, "agents": agents, "skipped": found.skipped, "compute": list(compute),
             "compute_not_found": [name for name in asked if not any(name in a["time_ms"] for a in agents)],
             "phases": [p for p in PHASES if any(p in a["time_ms"] for a in agents)],
-            "stragglers": stragglers(arrivals)}
+            "operations": _operations(per_op, len(agents)), "stragglers": stragglers(arrivals)}
+
+
+def _operations(per_op, n_agents):
+    """Each operation's mean (over the agents) MPI_ and COMMUNICATE time and calls,
+    the longest COMMUNICATE first."""
+    rows = [{"name": name, "agents": len(times),
+             "mpi_ms": sum(t[0] for t in times) / len(times) / 1000.0,
+             "communicate_ms": sum(t[1] for t in times) / len(times) / 1000.0,
+             "calls": max(t[2] for t in times)} for name, times in per_op.items()]
+    return sorted(rows, key=lambda r: (-r["communicate_ms"], -r["mpi_ms"], r["name"]))
 
 
 def _agent_summary(agent, compute):
@@ -63,6 +82,7 @@ def _agent_summary(agent, compute):
     records = AgentExchanges()
     category = {}
     spans = collections.defaultdict(lambda: (array("d"), array("d")))
+    per_op = collections.defaultdict(lambda: [0.0, 0.0, 0])    # pid -> [MPI_ us, COMMUNICATE us, calls]
     for s in reader:
         records.add(s)
         cat = category.get(s.name)
@@ -71,6 +91,12 @@ def _agent_summary(agent, compute):
         b, e = spans[cat]
         b.append(s.begin)
         e.append(s.end)
+        if cat is COMMUNICATION:
+            times = per_op[s.pid]
+            times[0] += s.end - s.begin
+            times[2] += 1
+        elif cat == "COMMUNICATE":
+            per_op[s.pid][1] += s.end - s.begin
     unions = {cat: _intervals.union(*spans.pop(cat)) for cat in list(spans)}
     busy = _intervals.union(np.concatenate([u[0] for u in unions.values()] or [[]]),
                             np.concatenate([u[1] for u in unions.values()] or [[]]))
@@ -88,7 +114,8 @@ def _agent_summary(agent, compute):
            "window_ms": window / 1000.0, "time_ms": time_ms,
            "idle_ms": (window - _intervals.length(busy)) / 1000.0,
            "overlap_percent": overlap, "unfinished_slices": reader.unfinished, "ended": reader.ended}
-    return row, records.finish(reader.process_name).arrivals
+    ops = {reader.process_name(pid): tuple(times) for pid, times in per_op.items() if times[2]}
+    return row, records.finish(reader.process_name).arrivals, ops
 
 
 def _category(name, compute):
@@ -173,6 +200,7 @@ def format_summary(summary):
                  "measurement at init)")
     lines.append("overlap % = time when communication (MPI_*) and compute (" + ", ".join(summary["compute"])
                  + ") ran at once / communication time")
+    lines += [""] + _format_operations(summary.get("operations", []))
     lines += [""] + _format_stragglers(summary["stragglers"])
     cut_ranks = {a["rank"] for a in agents if a["unfinished_slices"] or not a.get("ended", True)}
     partial = [f"rank {r}" for r in sorted(cut_ranks)]
@@ -186,6 +214,16 @@ def format_summary(summary):
         lines.append("(ranked among the agents whose file records each call: " + "; ".join(without + cut + fewer)
                      + ")")
     return "\n".join(lines) + "\n"
+
+
+def _format_operations(ops, shown=12):
+    if not ops:
+        return ["operations: none recorded an MPI_ span"]
+    lines = ["operations by communication time (mean over the agents; operations in flight at once each "
+             "count their own time)" + (f", the first {shown} of {len(ops)}:" if len(ops) > shown else ":")]
+    rows = [[op["name"], str(op["calls"]), f"{op['communicate_ms']:.3f}", f"{op['mpi_ms']:.3f}",
+             f"{op['communicate_ms'] / op['calls']:.3f}"] for op in ops[:shown]]
+    return lines + _table(["operation", "calls", "COMMUNICATE ms", "MPI_ ms", "COMMUNICATE per call"], rows)
 
 
 def _format_stragglers(st):
