@@ -84,12 +84,13 @@ class _Pass:
     """Where the current backward pass stands: the end of its last stretch, and
     the begin shared by each module's parameters; and where the model's forward
     pass stands: the end of its last FORWARD stretch."""
-    __slots__ = ("last", "begun", "forward")
+    __slots__ = ("last", "begun", "forward", "thread")
 
     def __init__(self):
         self.last = 0          # perf_counter_ns; 0 = unknown
         self.begun = {}        # module index -> begin of its BACKWARD in this pass
         self.forward = 0       # in the model's forward: the end of its last FORWARD stretch; else 0
+        self.thread = None     # the thread running that forward
 
 
 def timeline_install_hooks(model, prefix=""):
@@ -207,17 +208,18 @@ class _PassForwardBegin(CopiedInert):
             self.state.forward = 0
         else:
             self.state.forward = _now_ns()
+            self.state.thread = _ident()
             _forwards.add(self.state)
 
 
 def launched():
     """An optimizer wrapper's forward hook has started a module's communication: the
-    next FORWARD stretch of each model forward in progress begins now (the launch is
-    the operation's ENQUEUE_, not compute)."""
+    next FORWARD stretch of each model forward in progress on this thread begins now
+    (the launch is the operation's ENQUEUE_, not compute)."""
     if _forwards and _recorder.current is not None:
-        now = _now_ns()
-        for state in _forwards:
-            if state.forward:
+        now, me = _now_ns(), _ident()
+        for state in tuple(_forwards):      # (other threads add and remove theirs)
+            if state.forward and state.thread == me:
                 state.forward = now
 
 

@@ -537,7 +537,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._synced:        # (no synchronize() ended this step's round)
             self._advance_period()
         self._synced = False
-        _timeline.step()
+        _timeline.wrapper_step(self)
         thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
         if thawed:
             raise RuntimeError(

@@ -104,6 +104,11 @@ def detect_flavor(path: str) -> str:
             f"MPI launcher {path!r} does not run ('{path} --version' failed: {exc}); "
             f"set BLUEFOG_MPIEXEC to a working one, or {NO_LAUNCHER_HINT}") from exc
     text = result.stdout + result.stderr
+    if result.returncode != 0:      # (MPICH's and Open MPI's launchers print their version and exit 0)
+        raise LauncherNotFound(
+            f"MPI launcher {path!r} does not run ('{path} --version' failed: exit code {result.returncode}"
+            + (f", {text.strip().splitlines()[-1][:200]!r}" if text.strip() else "")
+            + f"); set BLUEFOG_MPIEXEC to a working one, or {NO_LAUNCHER_HINT}")
     # Hydra's output lists its configure options, which could name anything;
     # its banner is unambiguous, so look for it first.
     if "HYDRA build details" in text:
@@ -278,9 +283,11 @@ def _mpich_hostfile(path: str) -> Optional[str]:
         slots = _slots(words) if words else None
         if slots is None:
             out.append(line)
-        elif ":" in words[0]:
+        elif words[0].count(":") >= 2:
             raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes host:n, which cannot hold the IPv6 "
                              f"address {words[0]}: name the host, or use host:n lines")
+        elif ":" in words[0]:
+            raise ValueError(f"line {line.strip()!r}: gives its count twice, as host:n and as slots=n: keep one")
         else:
             out.append(f"{words[0]}:{slots}")
             translated = True

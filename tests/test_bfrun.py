@@ -187,6 +187,9 @@ def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
     (tmp_path / "hosts").write_text("fe80::1 slots=2\n")       # host:n cannot hold it
     with pytest.raises(ValueError, match="cannot hold the IPv6 address fe80::1"):
         run._mpich_hostfile(str(tmp_path / "hosts"))
+    (tmp_path / "hosts").write_text("node1:2 slots=4\n")
+    with pytest.raises(ValueError, match="gives its count twice, as host:n and as slots=n"):
+        run._mpich_hostfile(str(tmp_path / "hosts"))
 
 
 def test_bluefog_option_spellings():
@@ -257,6 +260,18 @@ def test_launcher_next_to_the_interpreter_comes_before_path(monkeypatch, tmp_pat
 def test_flavor_is_read_from_version_output(text, flavor, tmp_path, monkeypatch):
     monkeypatch.setenv("BLUEFOG_MPIEXEC", _fake_launcher(tmp_path, "mpiexec", text))
     assert run.find_launcher().flavor == flavor
+
+
+def test_a_launcher_failing_on_version_is_refused(tmp_path, monkeypatch, capsys):
+    """BLUEFOG_MPIEXEC=/bin/false ran as 'MPICH' (a warning only), then the job exited 1
+    with no error."""
+    path = tmp_path / "mpiexec"
+    path.write_text("#!/bin/sh\necho 'broken install' >&2\nexit 3\n")
+    path.chmod(0o755)
+    monkeypatch.setenv("BLUEFOG_MPIEXEC", str(path))
+    assert run.main(["-np", "2", "prog"]) == 2
+    err = capsys.readouterr().err
+    assert f"MPI launcher '{path}' does not run ('{path} --version' failed: exit code 3, 'broken install')" in err
 
 
 def test_version_prints_package_version_and_launcher(tmp_path, monkeypatch, capsys):

@@ -482,7 +482,8 @@ def test_a_wrappers_launch_is_not_in_the_next_forward_span():
     assert span["1.weight"][1] - span["1.weight"][0] < 20e6, span
 
 
-@pytest.mark.parametrize("mode", ["plain", "wrapped", "nested", "nested_wrapped", "none"])
+@pytest.mark.parametrize("mode", ["plain", "wrapped", "nested", "nested_wrapped", "around_wrapper", "after_raise",
+                                  "none"])
 def test_step_window_counts_plain_and_wrapped_optimizers(tmp_path, mode):
     """A script with a plain torch.optim optimizer gets its window (it recorded nothing: only
     the wrappers counted steps); a wrapper's step, which steps the optimizer it wraps, counts

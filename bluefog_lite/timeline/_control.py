@@ -11,6 +11,7 @@ Environment (read by init()):
 import functools
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -188,7 +189,7 @@ def start_from_environment():
 
 def counted_by_wrapper(*optimizers):
     """An optimizer wrapper and the optimizer it wraps: the wrapper counts its steps
-    itself (step()), so torch's step hook does not count them again."""
+    itself (wrapper_step), so torch's step hook does not count them again."""
     _counted_by_wrappers.update(optimizers)
 
 
@@ -205,28 +206,47 @@ def _count_torch_steps():
                         register_optimizer_step_post_hook(_optimizer_stepped))
 
 
-def _stack_without(optimizer):
-    """This thread's stack of optimizers in step(), without optimizer and any above it
-    (still there if its step() raised)."""
+def _calls_in_step():
+    """This thread's optimizer step() calls in progress, outermost first, as
+    (weak reference, frame depth of the call) pairs; the depth tells one that raised
+    (torch runs no post-hook for it, so it stays) from one that encloses the caller."""
     stack = getattr(_stepping, "stack", None)
     if stack is None:
         stack = _stepping.stack = []
-    for i, other in enumerate(stack):
-        if other is optimizer:
-            del stack[i:]
-            break
     return stack
 
 
+def _depth():
+    frame, depth = sys._getframe(2), 0      # (the frame of torch's step wrapper that runs the hook)
+    while frame is not None:
+        depth += 1
+        frame = frame.f_back
+    return depth
+
+
 def _optimizer_steps(optimizer, args, kwargs):
-    _stack_without(optimizer).append(optimizer)
+    stack, depth = _calls_in_step(), _depth()
+    while stack and stack[-1][1] >= depth:   # calls that raised: none encloses this one
+        stack.pop()
+    stack.append((weakref.ref(optimizer), depth))
 
 
 def _optimizer_stepped(optimizer, args, kwargs):
-    stack = _stack_without(optimizer)
+    stack, depth = _calls_in_step(), _depth()
+    while stack and stack[-1][1] >= depth:   # this call (and any that raised inside it)
+        stack.pop()
     session = _session
     if not stack and optimizer not in _counted_by_wrappers and session is not None and session.counts_torch_steps:
         step()
+
+
+def wrapper_step(wrapper):
+    """An optimizer wrapper's step() ends: it counts unless it runs inside another
+    optimizer's step() (a Lookahead around the wrapper counts that step itself)."""
+    stack = _calls_in_step() if _session is not None else ()
+    if stack and stack[0][0]() is not wrapper:
+        return
+    step()
 
 
 @_locked

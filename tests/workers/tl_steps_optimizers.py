@@ -5,8 +5,13 @@ a wrapper around it. Without any optimizer the window never opens, and shutdown 
 so. Another global step hook registered after init() sees every step (ending the
 window inside torch's hooks made torch raise "OrderedDict mutated during iteration").
 
-argv[1]: plain | wrapped | nested | nested_wrapped | none. Steps k = 0, 1, ...: one
-neighbor_allreduce named step<k>, then the optimizer's step."""
+An optimizer whose step() raised (caught) before the loop does not stop the counting
+(torch runs no post-hook for it: it stayed on the stack of steps in progress, and
+every later step looked nested in it). A Lookahead around a wrapper counts once too
+(the wrapper counted its own step as well).
+
+argv[1]: plain | wrapped | nested | nested_wrapped | around_wrapper | after_raise | none.
+Steps k = 0, 1, ...: one neighbor_allreduce named step<k>, then the optimizer's step."""
 import os
 import sys
 import warnings
@@ -36,10 +41,25 @@ class Nested(torch.optim.Optimizer):
         self.inner.step()
 
 
+class Raises(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        raise RuntimeError("a step that raises")
+
+
 if mode.startswith("nested"):
     opt = Nested(opt)
-if mode.endswith("wrapped"):
+if mode.endswith("wrapped") or mode == "around_wrapper":
     opt = bf.DistributedAdaptWithCombineOptimizer(opt, model)
+if mode == "around_wrapper":
+    opt = Nested(opt)
+if mode == "after_raise":
+    try:
+        Raises(torch.nn.Linear(2, 2).parameters()).step()
+    except RuntimeError:
+        pass
 seen = []
 register_optimizer_step_post_hook(lambda o, args, kwargs: seen.append(o))
 x = torch.ones(8)
