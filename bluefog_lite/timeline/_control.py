@@ -131,7 +131,7 @@ def _metadata(prefix, st, start_step, end_step):
 
 def _env_step(var):
     raw = os.environ.get(var, "")
-    if raw == "":
+    if raw.strip() == "":     # (empty or blank: the default, as for the other variables)
         return None
     try:
         value = int(raw)
