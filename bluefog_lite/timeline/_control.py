@@ -206,34 +206,41 @@ def _count_torch_steps():
                         register_optimizer_step_post_hook(_optimizer_stepped))
 
 
-def _calls_in_step():
+def _frames(skip):
+    """The frames from the outermost to the one ``skip`` above this function's."""
+    frames, frame = [], sys._getframe(skip)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()
+    return frames
+
+
+def _calls_in_step(frames):
     """This thread's optimizer step() calls in progress, outermost first, as
-    (weak reference, frame depth of the call) pairs; the depth tells one that raised
-    (torch runs no post-hook for it, so it stays) from one that encloses the caller."""
+    (weak reference, depth, frame id, code) of the frame of torch's step wrapper
+    that runs the hooks. A call that raised (torch runs no post-hook for it) stays
+    on the stack: it is dropped once its frame is no longer at its depth in frames."""
     stack = getattr(_stepping, "stack", None)
     if stack is None:
         stack = _stepping.stack = []
+    stack[:] = [c for c in stack if c[1] <= len(frames) and id(frames[c[1] - 1]) == c[2]
+                and frames[c[1] - 1].f_code is c[3]]
     return stack
 
 
-def _depth():
-    frame, depth = sys._getframe(2), 0      # (the frame of torch's step wrapper that runs the hook)
-    while frame is not None:
-        depth += 1
-        frame = frame.f_back
-    return depth
-
-
 def _optimizer_steps(optimizer, args, kwargs):
-    stack, depth = _calls_in_step(), _depth()
-    while stack and stack[-1][1] >= depth:   # calls that raised: none encloses this one
+    frames = _frames(2)      # (up to torch's step wrapper)
+    stack = _calls_in_step(frames)
+    while stack and stack[-1][1] >= len(frames):
         stack.pop()
-    stack.append((weakref.ref(optimizer), depth))
+    stack.append((weakref.ref(optimizer), len(frames), id(frames[-1]), frames[-1].f_code))
 
 
 def _optimizer_stepped(optimizer, args, kwargs):
-    stack, depth = _calls_in_step(), _depth()
-    while stack and stack[-1][1] >= depth:   # this call (and any that raised inside it)
+    frames = _frames(2)
+    stack = _calls_in_step(frames)
+    while stack and stack[-1][1] >= len(frames):   # this call
         stack.pop()
     session = _session
     if not stack and optimizer not in _counted_by_wrappers and session is not None and session.counts_torch_steps:
@@ -243,7 +250,9 @@ def _optimizer_stepped(optimizer, args, kwargs):
 def wrapper_step(wrapper):
     """An optimizer wrapper's step() ends: it counts unless it runs inside another
     optimizer's step() (a Lookahead around the wrapper counts that step itself)."""
-    stack = _calls_in_step() if _session is not None else ()
+    if _session is None:
+        return
+    stack = _calls_in_step(_frames(2)) if _torch_hooks is not None else ()
     if stack and stack[0][0]() is not wrapper:
         return
     step()

@@ -63,13 +63,19 @@ if mode == "after_raise":
 seen = []
 register_optimizer_step_post_hook(lambda o, args, kwargs: seen.append(o))
 x = torch.ones(8)
+
+
+def step_once():
+    opt.step()
+
+
 for k in range(end + 3):
     assert (_recorder.current is not None) == (start <= k <= end) or mode == "none", (k, mode)
     bf.neighbor_allreduce(x, name=f"step{k}")
     opt.zero_grad()
     model(torch.ones(2, 4)).sum().backward()
     if mode != "none":
-        opt.step()
+        step_once()     # (deeper than the step that raised, at module level: still not its inside)
 outer = [o for o in seen if o is opt]     # (the other hook saw every step)
 assert len(outer) == (0 if mode == "none" else end + 3), (mode, len(outer))
 with warnings.catch_warnings(record=True) as caught:
