@@ -92,6 +92,16 @@ def _training_pass(module):
     return module.training and torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
+_registered = [0]      # parameters registered on any module since import (torch's global hook)
+
+
+def _count_registration(module, name, param):
+    _registered[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
 class _AfterForward(CopiedInert):
     """A module's forward hook: start the communication of its own parameters, once
     per communicating step. A copy of the module (copy.deepcopy of the model: a
@@ -285,6 +295,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.num_steps_per_communication = int(num_steps_per_communication)
         self._named = _named_params(model, optimizer)
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]   # (checked per step)
+        self._registered_seen = _registered[0]     # parameters registered on modules (anywhere) by then
         if self._named_ops:
             self._prefix = _prefix(name_prefix, "name_prefix")  # (another wrapped model may have the same names)
             self._named = [(self._prefix + n, p) for n, p in self._named]
@@ -379,10 +390,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group):
+        """Added to the wrapped optimizer (as ``base.add_param_group``): its parameters
+        are stepped; those of the model are communicated only if they were in it
+        when the wrapper was created (a layer added since makes step() raise)."""
         if "optimizer" not in self.__dict__:       # called by Optimizer.__init__ on shared groups
             return super().add_param_group(param_group)
-        raise ValueError("add parameter groups to the wrapped optimizer before wrapping it: "
-                         "the wrapper's hooks are installed on the model's parameters at creation")
+        return self.optimizer.add_param_group(param_group)
 
     def _communicating(self):
         """Steps k, 2k, ... communicate (k = num_steps_per_communication; 1-based)."""
@@ -544,6 +557,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"parameters {thawed[:5]} of the model did not require gradients when {type(self).__name__} "
                 "was created and now have them: the wrapper does not communicate them, so the agents' copies "
                 "would drift apart. After unfreezing, call remove_hooks() and wrap the optimizer again")
+        if _registered[0] != self._registered_seen:
+            self._check_no_new_parameters()
+
+    def _check_no_new_parameters(self):
+        """A parameter was registered on some module since the last look: raise if the
+        model has one the wrapper does not know that has a gradient (a layer added or
+        replaced after wrapping: never communicated, silently)."""
+        known = {id(p) for _, p in self._named} | {id(p) for _, p in self._frozen}
+        new = [(n, p) for n, p in self.model.named_parameters() if id(p) not in known]
+        used = [n for n, p in new if p.grad is not None]
+        if used:
+            raise RuntimeError(
+                f"parameters {used[:5]} were added to the model after {type(self).__name__} was created: the "
+                "wrapper does not communicate them, so the agents' copies would drift apart. Call remove_hooks() "
+                "and wrap the optimizer again (with the new parameters in its groups)")
+        if not new:     # (else look again: they may get gradients later)
+            self._registered_seen = _registered[0]
 
     @staticmethod
     def _run_closure(closure):

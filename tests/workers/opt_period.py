@@ -165,6 +165,36 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
         assert "['0.weight', '0.bias']" in str(exc) and "wrap the optimizer again" in str(exc), exc
     opt.remove_hooks()
 
+# 3b. add_param_group on the wrapper adds to the wrapped optimizer (as Bluefog's subclass did;
+#     it was refused); a layer added to the model after wrapping is not communicated, and
+#     step() says so (the agents' copies drifted apart silently)
+for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer,
+                bf.DistributedGradientAllreduceOptimizer, bf.DistributedWinPutOptimizer):
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64))
+    base = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt = wrapper(base, net)
+    scale = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    opt.add_param_group({"params": [scale], "lr": 0.25})
+    assert len(base.param_groups) == 2 and base.param_groups[1]["params"] == [scale], wrapper.__name__
+    opt.zero_grad()
+    out = net(data).sum()
+    expected = 1.0 - 0.25 * out.item()      # (before backward: ATC steps the layers during it)
+    (out * scale).sum().backward()
+    opt.step()
+    assert abs(scale.item() - expected) < 1e-12, (wrapper.__name__, scale.item(), expected)
+    net.append(torch.nn.Linear(1, 1, dtype=torch.float64))
+    opt.add_param_group({"params": net[2].parameters()})
+    opt.zero_grad()
+    net(data).sum().backward()
+    try:
+        opt.step()
+        raise AssertionError(f"{wrapper.__name__}: a layer added after wrapping went unnoticed")
+    except RuntimeError as exc:
+        assert "parameters ['2.weight', '2.bias'] were added to the model after" in str(exc), exc
+    opt.remove_hooks()
+    if wrapper is bf.DistributedWinPutOptimizer:
+        opt.free_windows()
+
 # ... but a parameter frozen after training, its old gradient left in place, is no alarm
 net = torch.nn.Sequential(torch.nn.Linear(2, 2, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64))
 net(data).sum().backward()                 # every parameter has a gradient now
