@@ -92,14 +92,15 @@ def _training_pass(module):
     return module.training and torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
-_registered = [0]      # parameters registered on any module since import (torch's global hook)
+_registered = [0]      # parameters and submodules registered on any module since import (torch's hooks)
 
 
-def _count_registration(module, name, param):
+def _count_registration(module, name, added):
     _registered[0] += 1
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)   # (a layer built earlier)
 
 
 class _AfterForward(CopiedInert):
@@ -561,7 +562,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._check_no_new_parameters()
 
     def _check_no_new_parameters(self):
-        """A parameter was registered on some module since the last look: raise if the
+        """A parameter or module was registered somewhere since the last look: raise if the
         model has one the wrapper does not know that has a gradient (a layer added or
         replaced after wrapping: never communicated, silently)."""
         known = {id(p) for _, p in self._named} | {id(p) for _, p in self._frozen}

@@ -104,7 +104,9 @@ def detect_flavor(path: str) -> str:
             f"MPI launcher {path!r} does not run ('{path} --version' failed: {exc}); "
             f"set BLUEFOG_MPIEXEC to a working one, or {NO_LAUNCHER_HINT}") from exc
     text = result.stdout + result.stderr
-    if result.returncode != 0:      # (MPICH's and Open MPI's launchers print their version and exit 0)
+    if result.returncode != 0 and not any(word in text for word in ("mpiexec", "mpirun", "MPI")):
+        # (Hydra and Open MPI print their version and exit 0; MPICH's gforker prints its usage, naming
+        # mpiexec, and exits 255: it runs as MPICH, with the warning below)
         raise LauncherNotFound(
             f"MPI launcher {path!r} does not run ('{path} --version' failed: exit code {result.returncode}"
             + (f", {text.strip().splitlines()[-1][:200]!r}" if text.strip() else "")

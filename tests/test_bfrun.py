@@ -274,6 +274,16 @@ def test_a_launcher_failing_on_version_is_refused(tmp_path, monkeypatch, capsys)
     assert f"MPI launcher '{path}' does not run ('{path} --version' failed: exit code 3, 'broken install')" in err
 
 
+def test_mpich_gforker_failing_on_version_still_runs_as_mpich(tmp_path, monkeypatch, capsys):
+    """The mpich wheel's mpiexec.gforker prints its usage for --version and exits 255."""
+    path = tmp_path / "mpiexec"
+    path.write_text("#!/bin/sh\necho 'invalid mpiexec argument --version'\necho 'mpiexec -n <num> prog'\nexit 255\n")
+    path.chmod(0o755)
+    monkeypatch.setenv("BLUEFOG_MPIEXEC", str(path))
+    assert run.find_launcher() == run.Launcher(str(path), "mpich")
+    assert "cannot tell which MPI" in capsys.readouterr().err
+
+
 def test_version_prints_package_version_and_launcher(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BLUEFOG_MPIEXEC", _fake_launcher(tmp_path, "mpiexec", "HYDRA build details:"))
     assert run.main(["-v"]) == 0

@@ -171,6 +171,7 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
 for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer,
                 bf.DistributedGradientAllreduceOptimizer, bf.DistributedWinPutOptimizer):
     net = torch.nn.Sequential(torch.nn.Linear(2, 2, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64))
+    built_before = torch.nn.Linear(1, 1, dtype=torch.float64)    # (attached later: registers a module only)
     base = torch.optim.SGD(net.parameters(), lr=0.1)
     opt = wrapper(base, net)
     scale = torch.ones(1, dtype=torch.float64, requires_grad=True)
@@ -182,7 +183,8 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
     (out * scale).sum().backward()
     opt.step()
     assert abs(scale.item() - expected) < 1e-12, (wrapper.__name__, scale.item(), expected)
-    net.append(torch.nn.Linear(1, 1, dtype=torch.float64))
+    net.append(torch.nn.Linear(1, 1, dtype=torch.float64) if wrapper is bf.DistributedAdaptWithCombineOptimizer
+               else built_before)
     opt.add_param_group({"params": net[2].parameters()})
     opt.zero_grad()
     net(data).sum().backward()
