@@ -143,6 +143,17 @@ for wrapper, kwargs in ((bf.DistributedAdaptWithCombineOptimizer, {"communicatio
     opt.remove_hooks()
 bf.win_free()
 
+def step_refused(opt, net, what, *words):
+    """A training step of net whose opt.step() must raise a RuntimeError containing words."""
+    opt.zero_grad()
+    net(data).sum().backward()
+    try:
+        opt.step()
+        raise AssertionError(f"{type(opt).__name__}: {what} went unnoticed")
+    except RuntimeError as exc:
+        assert all(w in str(exc) for w in words), exc
+
+
 # 3. A parameter frozen when the wrapper was made, then unfrozen: the wrapper does not
 #    communicate it, and says so at the first step that gives it a gradient
 for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombineOptimizer,
@@ -156,13 +167,7 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
     opt.step()                                # fine while frozen
     net[0].requires_grad_(True)
     base.add_param_group({"params": net[0].parameters()})
-    opt.zero_grad()
-    net(data).sum().backward()
-    try:
-        opt.step()
-        raise AssertionError(f"{wrapper.__name__}: a parameter unfrozen after wrapping went unnoticed")
-    except RuntimeError as exc:
-        assert "['0.weight', '0.bias']" in str(exc) and "wrap the optimizer again" in str(exc), exc
+    step_refused(opt, net, "a parameter unfrozen after wrapping", "['0.weight', '0.bias']", "wrap the optimizer again")
     opt.remove_hooks()
 
 # 3b. add_param_group on the wrapper adds to the wrapped optimizer (as Bluefog's subclass did;
@@ -186,13 +191,7 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
     net.append(torch.nn.Linear(1, 1, dtype=torch.float64) if wrapper is bf.DistributedAdaptWithCombineOptimizer
                else built_before)
     opt.add_param_group({"params": net[2].parameters()})
-    opt.zero_grad()
-    net(data).sum().backward()
-    try:
-        opt.step()
-        raise AssertionError(f"{wrapper.__name__}: a layer added after wrapping went unnoticed")
-    except RuntimeError as exc:
-        assert "parameters ['2.weight', '2.bias'] were added to the model after" in str(exc), exc
+    step_refused(opt, net, "a layer added after wrapping", "parameters ['2.weight', '2.bias'] were added to the model")
     opt.remove_hooks()
     if wrapper is bf.DistributedWinPutOptimizer:
         opt.free_windows()
