@@ -361,11 +361,9 @@ def resume():
 def _check_is_weighted(is_weighted):
     """True or False; also 0 or 1 (Bluefog took any truthy value, but a string such
     as "no" is truthy: refused)."""
-    if isinstance(is_weighted, (bool, np.bool_)):
-        return bool(is_weighted)
-    if isinstance(is_weighted, numbers.Integral) and is_weighted in (0, 1):
-        return bool(is_weighted)
-    raise TypeError(f"is_weighted must be True or False, got {is_weighted!r}")
+    if not (isinstance(is_weighted, (bool, np.bool_))
+            or (isinstance(is_weighted, numbers.Integral) and is_weighted in (0, 1))):
+        raise TypeError(f"is_weighted must be True or False, got {is_weighted!r}")
 
 
 def _validate_graph(G, n, what, is_weighted=False, unit="agent"):
@@ -442,6 +440,7 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
     (the specification's); none: the Exponential-2 graph."""
     st = state()
     busy = bool(st.windows) or st.engine.has_pending()
+    in_use = _fingerprint(st.topology.graph, st.topology.is_weighted)
 
     def validated():
         _check_is_weighted(is_weighted)
@@ -451,8 +450,7 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         graph = (_topo.ExponentialGraph(st.size) if given is None
                  else _validate_graph(given, st.size, "topology", is_weighted))
         fingerprint = _fingerprint(graph, is_weighted)
-        in_use = fingerprint == _fingerprint(st.topology.graph, st.topology.is_weighted)
-        return graph, (busy and not in_use, fingerprint)
+        return graph, (busy and fingerprint != in_use, fingerprint)
     from .ops import _negotiate
     graph, views = _negotiate("set_topology", validated)
     if any(b for b, _ in views):
@@ -461,7 +459,7 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         return False
     _same_everywhere("set_topology", [fp for _, fp in views],
                      "agents passed different graphs; every agent must set the same topology")
-    if views[0][1] != _fingerprint(st.topology.graph, st.topology.is_weighted):
+    if views[0][1] != in_use:
         _install_topology(graph, is_weighted)
     return True
 

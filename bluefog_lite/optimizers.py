@@ -279,6 +279,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Shares param_groups/state with ``optimizer``; subclasses add the communication."""
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
     _named_ops = True   # a parameter's operations run under its name (not WinPut's windows)
+    counts_own_timeline_steps = True    # its step() counts for the timeline's step window (wrapper_step)
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, name_prefix=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -329,7 +330,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._timeline_hooks = None     # FORWARD/BACKWARD hooks while a timeline is open
         self._timeline_wanted = True    # turn_off_timeline() / turn_on_timeline()
         _timeline.follow(self)
-        _timeline.counted_by_wrapper(self, optimizer)     # (its step() counts for the timeline's step window)
         self.timeline_changed()
 
     _wait = staticmethod(ops.synchronize)     # waits for one of the wrapper's handles

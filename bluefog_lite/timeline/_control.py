@@ -26,7 +26,6 @@ _clock_sync = None  # (offset_us, rtt_us, shared with rank 0) measured at init, 
 _run = (None, None)  # (id, rank 0's wall time at init): the same on every agent of a run (measure_clock)
 _followers = weakref.WeakSet()   # objects told when a timeline opens or closes (follow)
 _lock = threading.RLock()        # opening and closing files: callers may be on several threads
-_counted_by_wrappers = weakref.WeakSet()   # the optimizer wrappers and what they wrap: they count their steps
 _torch_hooks = None      # torch's global optimizer step hooks, once a step window was configured
 _stepping = threading.local()    # .stack: the optimizers whose step() runs on this thread, outermost first
 
@@ -187,12 +186,6 @@ def start_from_environment():
     _tell_followers()
 
 
-def counted_by_wrapper(*optimizers):
-    """An optimizer wrapper and the optimizer it wraps: the wrapper counts its steps
-    itself (wrapper_step), so torch's step hook does not count them again."""
-    _counted_by_wrappers.update(optimizers)
-
-
 def _count_torch_steps():
     """Register torch's global optimizer step hooks (once per process: never removed,
     as one may end the window while torch runs them; they count while a session
@@ -243,7 +236,9 @@ def _optimizer_stepped(optimizer, args, kwargs):
     while stack and stack[-1][1] >= len(frames):   # this call
         stack.pop()
     session = _session
-    if not stack and optimizer not in _counted_by_wrappers and session is not None and session.counts_torch_steps:
+    # (an optimizer wrapper counts its own steps: wrapper_step; what it wraps steps inside it)
+    if (not stack and not getattr(optimizer, "counts_own_timeline_steps", False)
+            and session is not None and session.counts_torch_steps):
         step()
 
 

@@ -63,10 +63,10 @@ def summarize(prefix, compute=(), allow_missing=False, output=None):
     return {"prefix": prefix, "agents": agents, "skipped": found.skipped, "compute": list(compute),
             "compute_not_found": [name for name in asked if not any(name in a["time_ms"] for a in agents)],
             "phases": [p for p in PHASES if any(p in a["time_ms"] for a in agents)],
-            "operations": _operations(per_op, len(agents)), "stragglers": stragglers(arrivals)}
+            "operations": _operations(per_op), "stragglers": stragglers(arrivals)}
 
 
-def _operations(per_op, n_agents):
+def _operations(per_op):
     """Each operation's mean (over the agents) MPI_ and COMMUNICATE time and calls,
     the longest COMMUNICATE first."""
     rows = [{"name": name, "agents": len(times),
