@@ -127,7 +127,7 @@ def weighted_sum(out, x, self_weight, terms):
     acc = x.to(torch.float64).mul_(self_weight)
     for v, w in terms:
         if w != 0:
-            acc.add_(v.to(torch.float64), alpha=w)
+            acc.add_(v, alpha=w)     # (v is cast inside the kernel: no float64 copy of it)
     return out.copy_(acc.round_())
 
 
