@@ -113,6 +113,47 @@ def test_names_are_escaped_and_rows_named(tmp_path):
     assert b["name"] == 'A"B' and b["ts"] == 1234.567
 
 
+def test_rows_of_unnamed_calls_are_forgotten_once_finished(tmp_path):
+    """Each unnamed call has a name of its own (<op>.noname.<n>) that never comes
+    back: its rows (caller and communication thread) are dropped once their spans
+    have ended, so the writer's memory does not grow by ~1 KB per call; every row
+    keeps a pid of its own and its name, and a named row stays."""
+    caller, comm = 1, 2
+    events = [("B", 1500, "w", "ENQUEUE_NEIGHBOR_ALLREDUCE", caller)]
+    n = 3000
+    for i in range(n):
+        name, t = f"allreduce.noname.{i}", 2000 + 10 * i
+        events += [("B", t, name, "ENQUEUE_ALLREDUCE", caller), ("B", t + 1, name, "MPI_ALLREDUCE", comm),
+                   ("X", (t + 2, t + 3), name, "COMMUNICATE", comm), ("i", t + 3, name, "SEND_TO 1", comm),
+                   ("E", t + 4, name, None, comm), ("E", t + 5, name, None, caller)]
+    events += [("B", 10 ** 6, "allreduce.noname.7x", "A", caller), ("E", 10 ** 6 + 1, "allreduce.noname.7x", "A", caller)]
+    got, w = write(tmp_path, events)
+    assert set(w._tracks) == {("w", caller), ("allreduce.noname.7x", caller)}    # (not of the generated form)
+    assert set(w._pids) == {"w", "allreduce.noname.7x"}
+    procs = [(e["pid"], e["args"]["name"]) for e in got if e["name"] == "process_name"]
+    assert len(procs) == n + 2 and len({pid for pid, _ in procs}) == n + 2
+    assert sorted(name for _, name in procs) == sorted(["w", "allreduce.noname.7x"]
+                                                       + [f"allreduce.noname.{i}" for i in range(n)])
+    assert len(spans(got)) == 3 * n + 2
+    assert [(n_, b, e) for _, n_, b, e in spans(got) if n_ == "ENQUEUE_NEIGHBOR_ALLREDUCE"] == [
+        ("ENQUEUE_NEIGHBOR_ALLREDUCE", 1.5, 10000.0)]     # still open at the stop: ended there
+
+
+def test_caches_of_ever_new_activity_names_stay_bounded(tmp_path):
+    """A user activity named anew each step (f"STEP_{i}") must not grow the writer's
+    caches without bound; spans open while a cache is emptied still end by name."""
+    t = 1
+    events = [("S", 1000, "row", "EPOCH", t)]
+    for i in range(10000):
+        events += [("S", 2000 + 3 * i, "row", f"STEP_{i}", t), ("E", 2001 + 3 * i, "row", f"STEP_{i}", t)]
+    events.append(("E", 10 ** 6, "row", "EPOCH", t))
+    got, w = write(tmp_path, events)
+    assert len(w._heads_of) <= 4096 and len(w._quoted) <= 4096
+    found = spans(got)
+    assert len(found) == 10001 and ("EPOCH", 1.0, 1000.0) in [(n, b, e) for _, n, b, e in found]
+    assert [n for _, n, _, _ in found].count("STEP_9999") == 1
+
+
 def test_file_loads_while_being_written(tmp_path):
     """What a kill -9 leaves: the lines flushed so far, as an unterminated array."""
     rec = _recorder.Recorder()
@@ -152,6 +193,12 @@ def test_user_api_off_is_false_and_validates():
         _api.timeline_start_activity(3, "A")
     with pytest.raises(TypeError, match="activity_name"):
         _api.timeline_context("t", "")
+    for library_span in ("MPI_IO", "ENQUEUE_ALLREDUCE"):      # bftimeline would count them as operations
+        with pytest.raises(ValueError, match=f"{library_span}.*library's own spans"):
+            _api.timeline_start_activity("t", library_span)
+        with pytest.raises(ValueError, match="library's own spans"):
+            _api.timeline_context("t", library_span)
+    assert _api.timeline_start_activity("t", "MY_MPI_IO") is False     # (only the prefixes)
 
 
 @pytest.mark.parametrize("start,end,message", [("x", "", "BLUEFOG_TIMELINE_START_STEP"),

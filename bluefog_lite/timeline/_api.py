@@ -9,15 +9,25 @@ import threading
 from . import _recorder
 
 
+_LIBRARY_PREFIXES = ("MPI_", "ENQUEUE_")    # the library's spans: bftimeline reads them as operations
+
+
 def _check(value, what):
     if not isinstance(value, str) or not value:
         raise TypeError(f"{what} must be a non-empty string, got {value!r}")
 
 
+def _check_activity(activity_name):
+    _check(activity_name, "activity_name")
+    if activity_name.startswith(_LIBRARY_PREFIXES):
+        raise ValueError(f"activity_name {activity_name!r}: names beginning with MPI_ or ENQUEUE_ are the "
+                         "library's own spans (bftimeline would count yours as communication); choose another name")
+
+
 def timeline_start_activity(tensor_name, activity_name):
     """Open a span named activity_name on tensor_name's row. True if recorded."""
     _check(tensor_name, "tensor_name")
-    _check(activity_name, "activity_name")
+    _check_activity(activity_name)
     rec = _recorder.current
     if rec is None:
         return False
@@ -58,7 +68,7 @@ class timeline_context:
 
     def __init__(self, tensor_name, activity_name):
         _check(tensor_name, "tensor_name")
-        _check(activity_name, "activity_name")
+        _check_activity(activity_name)
         self.tensor_name, self.activity_name = tensor_name, activity_name
         self._rec = None
 

@@ -24,6 +24,7 @@ track no earlier than its end.
 """
 import json
 import os
+import re
 import sys
 import threading
 
@@ -32,6 +33,9 @@ from . import _recorder
 FLUSH_S = 0.05          # wake-up period; the spec asks for a flush at least every 100 ms
 METADATA_PID = 0        # pid of the agent-wide "bluefog_metadata" / "bluefog_end" events
 MAIN_TID, COMM_TID = 1, 2
+_CACHED = 4096          # entries of the writer's caches of JSON text (cleared when full)
+# the names ops._op_name gives calls without one: each is used by one call only
+_GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
 
 
 def _ts(t_ns):
@@ -55,10 +59,11 @@ class Writer:
     def __init__(self, fd, path, recorder, metadata, thread_names):
         self.fd, self.path, self.recorder = fd, path, recorder
         self._pids = {}            # tensor name -> pid
+        self._last_pid = 0
         self._tids = {}            # thread ident -> tid
         self._tracks = {}          # (tensor name, thread ident) -> _Track
-        self._quoted = {}          # text -> JSON string literal
-        self._heads_of = {}        # activity -> starts of its B, E, i lines
+        self._quoted = {}          # text -> JSON string literal (a cache)
+        self._heads_of = {}        # activity -> starts of its B, E, i, X lines (a cache)
         self._names = dict(thread_names)   # thread ident -> name, fixed at start
         self.dropped_ends = 0
         self.failed = None         # the error that stopped writing, if any
@@ -84,7 +89,7 @@ class Writer:
         for track in self._tracks.values():
             t = _ts(max(t_stop_ns, track.last))
             while track.stack:
-                lines.append(f"{self._heads_of[track.stack.pop()[0]][1]}{t},{track.tail}")
+                lines.append(f"{self._head(track.stack.pop()[0], 1)}{t},{track.tail}")
         end = {"clean_shutdown": True, "dropped_unmatched_ends": self.dropped_ends}
         lines.append(_metadata_line("bluefog_end", end, last=True))
         self._write(lines)
@@ -122,6 +127,8 @@ class Writer:
     def _quote(self, text):
         q = self._quoted.get(text)
         if q is None:
+            if len(self._quoted) >= _CACHED:     # (ever new activity names must not grow it without bound)
+                self._quoted.clear()
             q = self._quoted[text] = json.dumps(str(text))
         return q
 
@@ -137,7 +144,8 @@ class Writer:
     def _new_track(self, name, ident, lines):
         pid = self._pids.get(name)
         if pid is None:
-            pid = self._pids[name] = len(self._pids) + 1
+            self._last_pid += 1
+            pid = self._pids[name] = self._last_pid
             lines.append(f'{{"name":"process_name","ph":"M","pid":{pid},"tid":0,'
                          f'"args":{{"name":{self._quote(name)}}}}},\n')
             lines.append(f'{{"name":"process_sort_index","ph":"M","pid":{pid},"tid":0,'
@@ -150,9 +158,25 @@ class Writer:
         track = self._tracks[(name, ident)] = _Track(pid, tid)
         return track
 
+    def _forget(self, name, ident):
+        """The row (name, ident) has no open span left: if name is an unnamed call's
+        (<op>.noname.<n>, never used again), drop its track, and with its last track
+        its pid: kept, they grew the writer's memory by ~1 KB per unnamed call."""
+        if _GENERATED.fullmatch(name):
+            del self._tracks[(name, ident)]
+            if not any((name, other) in self._tracks for other in self._tids):
+                del self._pids[name]
+
+    def _head(self, activity, kind):
+        """The start of activity's line of kind 0 (B), 1 (E), 2 (instant) or 3 (X)."""
+        heads = self._heads_of.get(activity)
+        return (heads or self._heads(activity))[kind]
+
     def _heads(self, activity):
         """The constant starts of this activity's B, E, instant and X lines."""
         q = self._quote(activity)
+        if len(self._heads_of) >= _CACHED:
+            self._heads_of.clear()
         heads = self._heads_of[activity] = (f'{{"name":{q},"ph":"B","ts":', f'{{"name":{q},"ph":"E","ts":',
                                             f'{{"name":{q},"ph":"i","s":"t","ts":',
                                             f'{{"name":{q},"ph":"X","ts":')
@@ -200,7 +224,11 @@ class Writer:
             if ph == "E":
                 stack = track.stack
                 if stack and (stack[-1][0] == activity or (activity is None and not stack[-1][1])):
-                    append(f"{heads_of[stack.pop()[0]][1]}{s[:-3]}.{s[-3:]},{track.tail}")
+                    ended = stack.pop()[0]
+                    heads = heads_of.get(ended) or self._heads(ended)
+                    append(f"{heads[1]}{s[:-3]}.{s[-3:]},{track.tail}")
+                    if not stack and ".noname." in name:
+                        self._forget(name, ident)
                 else:
                     self._end_inner(track, f"{s[:-3]}.{s[-3:]}", activity, lines)
             else:
@@ -220,9 +248,9 @@ class Writer:
             return
         inner = stack[i + 1:]
         for act, _ in reversed(stack[i:]):
-            lines.append(f"{self._heads_of[act][1]}{ts},{track.tail}")
+            lines.append(f"{self._head(act, 1)}{ts},{track.tail}")
         for act, _ in inner:
-            lines.append(f"{self._heads_of[act][0]}{ts},{track.tail}")
+            lines.append(f"{self._head(act, 0)}{ts},{track.tail}")
         del stack[i:]
         stack.extend(inner)
 
