@@ -163,6 +163,33 @@ def test_summary_counts_extra_compute_activities(tmp_path, capsys):
     assert code == 0 and "--compute 'COMPUTE_GRADIANT': no agent recorded an activity of that name" in err, err
 
 
+def test_summary_shows_odd_names_escaped_and_cut_and_keeps_them_whole_in_json(tmp_path, capsys):
+    """Names the library accepts (newlines, tabs, a lone surrogate, 200 characters)
+    must not break the tables or the command: escaped and cut in the text, whole
+    in --json."""
+    odd = ["a\nb\tc", "s\ud800t", "L" * 200]
+    for rank in range(2):
+        slices = []
+        for i, name in enumerate(odd):
+            t = 100.0 * i + 10 * rank
+            slices += op_call(name, "ALLREDUCE", (t, t + 50), (t + 1, t + 49), (t + 2, t + 40))
+        write_agent(tmp_path / f"o{rank}.json", rank, 2, slices)
+    code, out, _ = cli(["summary", tmp_path / "o", "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    assert {op["name"] for op in load_json(tmp_path / "s.json")["operations"]} == set(odd)
+    assert "a\\nb\\tc" in out and "s\\ud800t" in out and "L" * 57 + "..." in out and "L" * 58 not in out
+    assert max(len(line) for line in out.splitlines()) < 160
+
+
+def test_output_that_the_terminal_cannot_encode_is_escaped():
+    import io
+    from bluefog_lite.timeline.__main__ import _write
+    stream = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    _write(stream, "caf\u00e9 s\ud800t\n")
+    stream.flush()
+    assert stream.buffer.getvalue() == b"caf\\xe9 s\\ud800t\n"
+
+
 # ---- clocks: a known 3 ms offset ----------------------------------------------------------
 
 def offset_run(folder):

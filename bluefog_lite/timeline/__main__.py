@@ -62,13 +62,13 @@ def main(argv=None):
             from ._summary import format_summary, summarize
             summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing,
                                 output=args.json)
-            sys.stdout.write(format_summary(summary))
-            for name in summary["compute_not_found"]:
-                sys.stderr.write(f"bftimeline summary: warning: --compute {name!r}: no agent recorded an "
-                                 "activity of that name (check its spelling)\n")
             if args.json:
                 with open(args.json, "w", encoding="utf-8") as f:
                     json.dump(summary, f, indent=1)
+            _write(sys.stdout, format_summary(summary))
+            for name in summary["compute_not_found"]:
+                sys.stderr.write(f"bftimeline summary: warning: --compute {name!r}: no agent recorded an "
+                                 "activity of that name (check its spelling)\n")
         else:
             from ._plot import plot
             lanes, skipped = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end,
@@ -78,6 +78,16 @@ def main(argv=None):
         sys.stderr.write(f"bftimeline {args.command}: error: {exc}\n")
         return 1
     return 0
+
+
+def _write(stream, text):
+    """text to stream; what its encoding cannot hold (a name with a lone surrogate,
+    a non-ASCII name on an ASCII terminal) is written as backslash escapes."""
+    try:
+        stream.write(text)
+    except UnicodeEncodeError:
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
 
 
 def _without(skipped):

@@ -177,7 +177,7 @@ def format_summary(summary):
              "times in ms on rank 0's clock"]
     if summary.get("skipped"):
         lines.append("without " + ", ".join(summary["skipped"]))
-    columns = ([(c, c) for c in summary["compute"] if any(c in a["time_ms"] for a in agents)]
+    columns = ([(c, _shown(c)) for c in summary["compute"] if any(c in a["time_ms"] for a in agents)]
                + [(COMMUNICATION, "comm (MPI_*)")] + [(p, p) for p in summary["phases"]])
     headers = ["agent", "host", "clock ±us", "window"] + [label for _, label in columns] + ["idle", "overlap %"]
     rows = []
@@ -221,7 +221,7 @@ def _format_operations(ops, shown=12):
         return ["operations: none recorded an MPI_ span"]
     lines = ["operations by communication time (mean over the agents; operations in flight at once each "
              "count their own time)" + (f", the first {shown} of {len(ops)}:" if len(ops) > shown else ":")]
-    rows = [[op["name"], str(op["calls"]), f"{op['communicate_ms']:.3f}", f"{op['mpi_ms']:.3f}",
+    rows = [[_shown(op["name"]), str(op["calls"]), f"{op['communicate_ms']:.3f}", f"{op['mpi_ms']:.3f}",
              f"{op['communicate_ms'] / op['calls']:.3f}"] for op in ops[:shown]]
     return lines + _table(["operation", "calls", "COMMUNICATE ms", "MPI_ ms", "COMMUNICATE per call"], rows)
 
@@ -235,7 +235,7 @@ def _format_stragglers(st):
     for op in st["operations"]:
         top = op["last"][0]
         others = ", ".join(f"{x['rank']}:{x['times']}" for x in op["last"][1:])
-        rows.append([op["name"], op["kind"], str(op["calls"]), f"rank {top['rank']}",
+        rows.append([_shown(op["name"]), _shown(op["kind"]), str(op["calls"]), f"rank {top['rank']}",
                      f"{top['times']} ({100.0 * top['times'] / op['calls']:.0f}%)",
                      f"{top['held_up_ms']:.3f}", others or "-"])
     lines += _table(["operation", "kind", "calls", "last most often", "times", "held up ms",
@@ -248,6 +248,17 @@ def _format_stragglers(st):
             for x in st["ranking"]]
     lines += _table(["agent", "last", "last %", "held up ms", "summed ms"], rows)
     return lines
+
+
+_SHOWN = 60      # characters of a name the tables show (--json has them whole)
+
+
+def _shown(name):
+    """name as a table cell: characters that are not printable (newlines, tabs, NUL,
+    escape sequences, lone surrogates) escaped, at most _SHOWN characters."""
+    if not name.isprintable():
+        name = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
+    return name if len(name) <= _SHOWN else name[:_SHOWN - 3] + "..."
 
 
 def _table(headers, rows):
