@@ -9,6 +9,7 @@ running the loop (hold_if_idle ... continue_held, used by _quick.py) and turns
 into an ordinary operation only if it must. CallerDrive is part of the Engine
 (its state is the engine's).
 """
+import threading
 import time
 
 import torch
@@ -18,6 +19,7 @@ from ._doorbell import URGENT_ONLY
 from .timeline import _recorder as tl
 
 _monotonic = time.monotonic
+_get_ident = threading.get_ident
 
 
 class CallerDrive:
@@ -31,12 +33,24 @@ class CallerDrive:
         or the engine stops."""
         if not self._drive.acquire(False):
             return False
+        self._driver = _get_ident()
         self.driven_by_callers += 1
         try:
             self._run_until(op)
         finally:
             self._let_go()
         return True
+
+    def refuse_nested(self):
+        """Raise if the calling thread holds the drive lock: it is inside a blocking
+        call that it runs (this call comes from a signal handler that interrupted
+        it), and nothing would run the loop for this one while it waits."""
+        if self._driver is not None and self._driver == _get_ident():
+            raise RuntimeError(
+                "bluefog_lite was called while this thread was inside another bluefog_lite call that it runs "
+                "(from a signal handler that interrupted a blocking call?): that call holds the "
+                "communication loop until it returns, so this one could never complete. In the handler, only "
+                "set a flag, and act on it after the interrupted call has returned")
 
     def _run_until(self, op):
         """The loop, run by a caller that holds the drive lock, until op is done."""
@@ -59,6 +73,7 @@ class CallerDrive:
             left = bool(self._queue or self._expects_news())
             if not left:
                 self.doorbell.asleep(URGENT_ONLY)     # (see _sleep)
+        self._driver = None
         self._drive.release()
         if left:
             self._handback.set()
@@ -72,6 +87,7 @@ class CallerDrive:
         use or the engine stops: submit then says so)."""
         if not self._drive.acquire(False):
             return False
+        self._driver = _get_ident()
         with self._lock:
             idle = not (self._queue or self._active or self._completing or self._discard
                         or self.stream.outboxes or self._stopping or name in self._names)
@@ -79,6 +95,7 @@ class CallerDrive:
                 self._names.add(name)
         if not idle:      # nothing changed: let go without waking the thread for what it has
             queued = bool(self._queue)
+            self._driver = None
             self._drive.release()
             if queued and self._sleeping:     # it may have been rung for these meanwhile
                 self._handback.set()

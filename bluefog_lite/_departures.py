@@ -46,6 +46,7 @@ class Departures:
         self._req = comm.Irecv(self._buf, MPI.ANY_SOURCE, _TAG) if comm.size > 1 else None
         self._sends = []        # this agent's notices in flight
         self._keep = []         # their buffers (alive until the sends complete)
+        self._final = None      # leave()'s (sends, {rank: receives}) once posted
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="bluefog-departures", daemon=True)
         if self._req is not None:
@@ -102,8 +103,13 @@ class Departures:
 
     def leave(self):
         """Tell every other agent that this one has left; wait until all have.
-        Every notice sent is received before the communicator is freed."""
+        Every notice sent is received before the communicator is freed. Called again
+        after an exception cut it short (a signal handler's sys.exit), it waits for
+        the notices it posted."""
         if self._req is None:
+            return
+        if self._final is not None:
+            self._wait(*self._final, self.comm.rank)
             return
         self.start_leaving()
         self._stop.set()
@@ -123,6 +129,8 @@ class Departures:
             if r != me and r not in self.departed:
                 recvs[r] = [self.comm.Irecv(inbox[r, i:i + 1], r, _TAG)
                             for i in range(1 if r in self.leaving else 2)]
+        self._final = (self._sends, recvs)
+        self._keep.append(inbox)
         self._wait(self._sends, recvs, me)
 
     def _wait(self, sends, recvs, me):

@@ -194,6 +194,7 @@ class Engine(CallerDrive, StallInspector):
         self._sleeping = False         # the loop is (about to be) asleep: ring to wake it
         self._rung = False             # a caller has rung since the loop last went to sleep
         self._drive = threading.Lock()  # held by the thread running the loop (see the module doc)
+        self._driver = None            # the caller thread holding it (None: the communication thread, or none)
         self._handback = threading.Event()  # a caller let go of the loop and left work in it
         self._last_inspect = time.monotonic()
         self.driven_by_callers = 0     # blocking operations whose caller ran the loop
@@ -218,6 +219,7 @@ class Engine(CallerDrive, StallInspector):
         ``ready``: the event of the copy of its device input to the host, still
         running; the task waits for it before it reads the input (_devices.copied)."""
         inline = inline and self.caller_progress and tl.current is None
+        self.refuse_nested()
         with self._lock:
             if self._stopping:
                 raise RuntimeError("bluefog_lite is shutting down; no new operations are accepted")
@@ -263,6 +265,8 @@ class Engine(CallerDrive, StallInspector):
         op = self._ops.get(handle)
         if op is None:
             raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+        if not op.done:
+            self.refuse_nested()
         return op
 
     def poll(self, handle):

@@ -29,6 +29,10 @@ class _State:
     def __init__(self):
         self.initialized = False
         self.shut_down = False
+        self.shutting_down = False    # shutdown() is running (a nested or concurrent call returns at once)
+        self.shutdown_steps = 0       # steps of shutdown() done (one cut short by an exception goes on from there)
+        self.forked = False           # this process was forked from an agent after init()
+        self.generation = 0           # how many times init() has completed in this process
         self.comm = None          # private duplicate of COMM_WORLD (control, set-up)
         self.rank = 0
         self.size = 1
@@ -57,6 +61,9 @@ _ABORT_DELAY_S = 0.5
 def state():
     """The runtime state, after checking that init() was called."""
     if not _state.initialized:
+        if _state.forked:
+            raise BluefogError("this process was forked (os.fork) from an agent after bf.init(): bluefog_lite "
+                               "(MPI, its communication thread) belongs to the parent; a forked child cannot use it")
         if _state.shut_down:
             raise BluefogError("bluefog_lite has been shut down; call bf.init() again before this operation")
         raise BluefogError("bluefog_lite is not initialized: call bf.init() before this operation")
@@ -142,6 +149,11 @@ def init(topology_fn=None, is_weighted=False):
                           "is_weighted are ignored; change the topology with bf.set_topology(...)",
                           stacklevel=2)
         return
+    if _state.forked:
+        state()     # (raises: a forked child cannot start MPI)
+    if MPI.Is_finalized():
+        raise BluefogError("bf.init(): MPI was finalized in this process (MPI.Finalize() was called) and cannot "
+                           "be started again; call bf.shutdown() instead of MPI.Finalize() to stop bluefog_lite")
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
@@ -177,7 +189,50 @@ def init(topology_fn=None, is_weighted=False):
     if not _exit_registered:        # (once per process, however often it is initialized)
         atexit.register(shutdown)
         _exit_registered = True
+    _state.generation += 1
+    MPI.COMM_SELF.Set_attr(_finalize_keyval(), _state.generation)
     _start_timeline_if_requested()
+
+
+_keyval = None
+
+
+def _finalize_keyval():
+    """The key of an attribute of MPI.COMM_SELF whose deletion, the first thing
+    MPI_Finalize does (while MPI still works), shuts bluefog_lite down: a program that
+    calls MPI.Finalize() itself while initialized (its communication thread then
+    called a finalized MPI and the process died with a segmentation fault)."""
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_on_finalize)
+    return _keyval
+
+
+def _on_finalize(comm, keyval, generation):
+    # the attribute of an earlier init (replaced by the next one's) does nothing
+    if generation == _state.generation and _state.initialized and not _state.shutting_down:
+        try:
+            shutdown()
+        except BaseException:      # (an exception cannot leave an MPI callback)
+            traceback.print_exc()
+            sys.stderr.flush()
+
+
+def _forked_child():
+    """After os.fork() in an agent, in the child: bluefog_lite stays the parent's.
+    The child has neither the communication thread nor the timeline's writer, and
+    must not take part in the job: its exit must not run shutdown (the others saw
+    the agent leave) nor its uncaught exception abort the job."""
+    if _state.initialized:
+        from .timeline import _recorder
+        _recorder.current = None
+        _state.initialized = False
+        _state.forked = True
+        _state.engine = _state.departures = _state.comm = None
+        sys.excepthook, threading.excepthook = _state.hooks_before
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def _every_agent_arrived(world):
@@ -229,13 +284,39 @@ def _start_timeline_if_requested():
 def shutdown():
     """Finish in-flight work, stop the communication thread, free windows, then wait
     until every agent has shut down too (as MPI_Finalize does). Also runs at exit."""
-    if not _state.initialized:
+    if not _state.initialized or _state.shutting_down:
         return
+    _state.engine.refuse_nested()
+    _state.shutting_down = True
+    try:
+        _shutdown()
+    finally:
+        _state.shutting_down = False
+
+
+def _shutdown():
+    """shutdown()'s steps, from the first not done yet: a shutdown cut short by an
+    exception (a signal handler's sys.exit while it waits) is finished by the next
+    call (at exit) without redoing what was done (freeing a communicator twice)."""
     from .timeline import _control
+    steps = (_report_exception_in_flight, lambda: _settle(_state.engine),
+             _state.departures.start_leaving,    # it calls nothing else now: whoever waits for it can stop
+             _free_windows, _state.engine.stop, _control.stop_timeline, _state.departures.leave)
+    while _state.shutdown_steps < len(steps):
+        steps[_state.shutdown_steps]()
+        _state.shutdown_steps += 1
+    _state.engine = None
+    _state.departures = None
+    _state.comm.Free()
+    _state.comm = None
+    _state.initialized = False
+    _state.shut_down = True
+    _state.shutdown_steps = 0
+    sys.excepthook, threading.excepthook = _state.hooks_before
+
+
+def _free_windows():
     from . import windows
-    _report_exception_in_flight()
-    _settle(_state.engine)
-    _state.departures.start_leaving()    # it calls nothing else now: whoever waits for it can stop
     try:
         windows.free_at_shutdown()
     except RuntimeError as exc:     # (win_free is a collective: none runs after one timed out)
@@ -243,16 +324,6 @@ def shutdown():
             raise
         sys.stderr.write(f"bluefog_lite WARNING (rank {_state.rank}): shutdown could not free the windows "
                          f"{sorted(_state.windows)}: {exc}\n")
-    _state.engine.stop()
-    _control.stop_timeline()
-    _state.departures.leave()
-    _state.engine = None
-    _state.departures = None
-    _state.comm.Free()
-    _state.comm = None
-    _state.initialized = False
-    _state.shut_down = True
-    sys.excepthook, threading.excepthook = _state.hooks_before
 
 
 def _report_exception_in_flight():

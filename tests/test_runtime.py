@@ -127,6 +127,15 @@ def test_shutdown_waiting_for_an_unfinished_operation_does_not_spin():
     assert "shutdown with operations still in flight: ['lonely']" in out
 
 
+@pytest.mark.parametrize("mode", ["nested", "nested_shutdown", "finalize", "fork"])
+def test_signal_handlers_mpi_finalize_and_fork_around_an_agent(mode):
+    """A bf call from a signal handler inside a blocking call raises (it hung);
+    a nested shutdown returns and the one cut short finishes at exit; MPI.Finalize()
+    shuts bluefog_lite down first (segmentation fault) and init() after it raises;
+    a forked child is not an agent."""
+    run_agents(2, "runtime_process_edges.py", mode, timeout=90)
+
+
 def test_init_waiting_for_a_late_agent_does_not_spin():
     run_agents(4, "runtime_late_init.py", timeout=60)
 

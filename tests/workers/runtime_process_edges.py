@@ -1,0 +1,121 @@
+"""What a training script's process does around bluefog_lite (2 agents), by mode:
+
+- nested: a signal handler makes a bf call while the interrupted thread is inside
+  a blocking call that it runs (it holds the communication loop): the handler's call
+  must raise a RuntimeError that says so (it hung for good);
+- nested_shutdown: a SIGTERM handler calls bf.shutdown() then sys.exit(0) while
+  rank 0's own shutdown waits for rank 1: the nested shutdown returns at once and the
+  one cut short finishes at exit (it crashed freeing a communicator twice);
+- finalize: MPI.Finalize() called while initialized shuts bluefog_lite down first
+  (its communication thread called a finalized MPI: segmentation fault); bf.init()
+  after it raises a clear error (MPICH's own message and exit 1);
+- fork: a child forked after init() is not an agent: its bf calls raise, its
+  shutdown() does nothing, it has the user's excepthooks (its exit ran shutdown and
+  told the others the agent had left).
+"""
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from mpi4py import MPI
+
+import bluefog_lite as bf
+
+mode = sys.argv[1]
+bf.init()
+r = bf.rank()
+if r == 1:      # (output order between the agents does not matter)
+    time.sleep(0.1)
+
+if mode == "nested":
+    seen = []
+
+    def handler(signum, frame):
+        try:      # a call without peers: it completes at once unless the loop is held
+            bf.neighbor_allreduce(torch.ones(3), self_weight=1.0, src_weights={}, dst_weights=[],
+                                  enable_topo_check=False, name="in_handler")
+            seen.append("returned")
+        except RuntimeError as exc:
+            seen.append(str(exc))
+    signal.signal(signal.SIGUSR1, handler)
+    x = torch.full((1000,), float(r))
+    handler(None, None)       # (imports what the call needs: not in the middle of an import later)
+    assert seen.pop() == "returned"
+    done = threading.Event()
+
+    def ring():
+        while not done.wait(0.01):
+            os.kill(os.getpid(), signal.SIGUSR1)
+    ringer = threading.Thread(target=ring)
+    if r == 0:
+        ringer.start()
+    for i in range(1500):      # blocking calls, most of them run by this thread
+        y = bf.neighbor_allreduce(x, name="nb")
+        assert torch.allclose(y, torch.full((1000,), 0.5)), y
+    done.set()
+    if r == 0:
+        ringer.join()
+        nested = [text for text in seen if text != "returned"]
+        assert nested, f"no signal came during a call: {seen[:3]}"
+        assert all("inside another bluefog_lite call" in text for text in nested), nested[0]
+    bf.barrier()
+elif mode == "nested_shutdown":
+    def handler(signum, frame):
+        bf.shutdown()       # returns at once: the main thread's shutdown is running
+        sys.stdout.write(f"AGENT OK {r}\n")
+        sys.stdout.flush()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, handler)
+    bf.neighbor_allreduce(torch.ones(10) * r)
+    if r == 0:
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    else:
+        time.sleep(3)       # rank 0's shutdown waits for this agent meanwhile
+        sys.stdout.write(f"AGENT OK {r}\n")
+    bf.shutdown()
+    sys.exit(0)
+elif mode == "finalize":
+    y = bf.neighbor_allreduce(torch.full((1000,), float(r)), name="before")
+    h = bf.neighbor_allreduce_nonblocking(torch.ones(10), name="in_flight")
+    MPI.Finalize()
+    assert MPI.Is_finalized()
+    try:
+        bf.rank()
+        raise AssertionError("bluefog_lite still initialized after MPI.Finalize()")
+    except bf.BluefogError as exc:
+        assert "shut down" in str(exc), exc
+    try:
+        bf.init()
+        raise AssertionError("init after MPI.Finalize() returned")
+    except bf.BluefogError as exc:
+        assert "MPI was finalized" in str(exc), exc
+    sys.stdout.write(f"AGENT OK {r}\n")
+    sys.exit(0)
+elif mode == "fork":
+    x = torch.full((100,), float(r))
+    bf.neighbor_allreduce(x, name="a")
+    hooks = (sys.excepthook, threading.excepthook)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            bf.allreduce(x)
+            code = 3
+        except bf.BluefogError as exc:
+            code = 0 if "forked" in str(exc) else 4
+        bf.shutdown()       # nothing: the agent is the parent
+        if (sys.excepthook, threading.excepthook) != bf._runtime._state.hooks_before:
+            code = 5
+        os._exit(code)      # (plain mpi4py's finalize at a forked child's exit breaks the job by itself)
+    for _ in range(20):
+        z = bf.allreduce(x, name="after_fork")
+        assert torch.allclose(z, torch.full((100,), 0.5)), z
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child exit code {os.waitstatus_to_exitcode(status)}"
+    assert (sys.excepthook, threading.excepthook) == hooks
+    bf.barrier()
+bf.shutdown()
+sys.stdout.write(f"AGENT OK {r}\n")
