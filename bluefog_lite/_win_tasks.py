@@ -350,10 +350,14 @@ def free(eng, op, wins, names, problem):
 
 def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, accumulate, with_p):
     """Write (or add) dst_weights[d] * x into my buffer at each d; then scale my tensor
-    (and p) by self_weight. Versions are bumped only after the data has landed."""
+    (and p) by self_weight. Versions are bumped only after the data has landed. A host
+    x is the user's tensor, read now (a strided one copied now): what the window's
+    earlier ops left in it, as their self_weight scaled it."""
     targets = sorted(dst_weights)
     locked = yield from _locked(eng, op, win, targets, require_mutex)
     try:
+        if user_tensor is not None:
+            x = plain(x)
         with _phase(op.name, "COMMUNICATE"):
             p_self, keep = float(win.p[0]), []
             if win.nbytes and x.dtype != win.stored:

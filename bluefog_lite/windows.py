@@ -291,9 +291,12 @@ def _put(kind, tensor, name, self_weight, dst_weights, require_mutex, blocking):
     on_device = _devices.on_device(tensor)
 
     def prepare(op_name):
-        x = _tensor(tensor, op_name, f"{what}: tensor")
-        if on_device and sw is not None:    # x, the copy sent, is made: the tensor itself is scaled now
-            _win_tasks.scale_in_place(tensor.detach(), sw)
+        if on_device:
+            x = _tensor(tensor, op_name, f"{what}: tensor")
+            if sw is not None:    # x, the copy sent, is made: the tensor itself is scaled now
+                _win_tasks.scale_in_place(tensor.detach(), sw)
+        else:     # read when the op runs, after the window's earlier ops (their self_weight) ran
+            x = _dense(tensor, f"{what}: tensor")
         return (lambda eng, op: _win_tasks.put(eng, op, win, None if on_device else tensor, x, dstw, sw, mutex,
                                                accumulate, with_p)), None
     return _submit(win, kind, prepare, blocking)

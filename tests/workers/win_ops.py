@@ -310,5 +310,25 @@ close(bf.synchronize(h2), sum(W[r, rank] * data(r, 11) for r in [rank] + IN))
 bf.win_wait(h)
 bf.barrier()
 bf.win_free("shared")
+# -- a strided window tensor is read when its op runs, after the earlier ops' self_weight --------
+# (it was copied at the call: a nonblocking accumulate with self_weight=0.5 followed by
+# a put sent the unscaled values, and push-sum lost its mass balance)
+for layout in ("contiguous", "strided"):
+    base = torch.zeros(SHAPE[0], 2 * SHAPE[1], dtype=torch.float64)
+    t = base[:, :SHAPE[1]].contiguous() if layout == "contiguous" else base[:, ::2]
+    t.copy_(torch.from_numpy(data(rank, 12)))
+    nm = f"order.{layout}"
+    bf.win_create(t, nm, zero_init=True)
+    h = bf.win_accumulate_nonblocking(t, nm, self_weight=0.5)
+    bf.win_put(t, nm)                       # issued after: sends 0.5 * t
+    bf.win_wait(h)
+    close(t, 0.5 * data(rank, 12))
+    if layout == "strided":
+        close(base[:, 1::2], np.zeros(SHAPE))      # nothing written between the elements
+    bf.barrier()
+    for s in IN:
+        close(bf.win_update(nm, self_weight=0.0, neighbor_weights={s: 1.0}, clone=True), 0.5 * data(s, 12))
+    bf.barrier()
+    bf.win_free(nm)
 sys.stdout.write(f"AGENT OK {rank}\n")   # one write: PYTHONUNBUFFERED splits print
 bf.shutdown()
