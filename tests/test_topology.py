@@ -127,6 +127,12 @@ def assert_graph_matches(G, expected):
         assert isinstance(data["weight"], float)
         assert data["weight"] == pytest.approx(expected[i, j], abs=1e-12)
     assert all(G.has_edge(i, i) for i in range(n))
+    # as Bluefog's graphs (built from a matrix) iterate: a script that walks the graph
+    # itself (G.successors(rank) to line up neighbor_allgather's output) sees the same order
+    assert list(G.edges) == sorted(G.edges)
+    for r in range(n):
+        assert list(G.successors(r)) == sorted(G.successors(r))
+        assert list(G.predecessors(r)) == sorted(G.predecessors(r))
 
 
 @pytest.mark.parametrize("n", SIZES)

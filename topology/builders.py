@@ -37,10 +37,12 @@ __all__ = [
 
 
 def _graph_from_weights(size: int, weights: Dict[Tuple[int, int], float]) -> nx.DiGraph:
-    """Build a DiGraph on ``0..size-1`` from ``{(src, dst): weight}``."""
+    """Build a DiGraph on ``0..size-1`` from ``{(src, dst): weight}``, edges added in
+    (src, dst) order: successors, predecessors and edges iterate in ascending rank
+    order, as in Bluefog's graphs (built from a matrix)."""
     graph = nx.DiGraph()
     graph.add_nodes_from(range(size))
-    graph.add_weighted_edges_from((i, j, float(w)) for (i, j), w in weights.items())
+    graph.add_weighted_edges_from((i, j, float(w)) for (i, j), w in sorted(weights.items()))
     return graph
 
 
