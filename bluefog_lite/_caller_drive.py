@@ -42,15 +42,16 @@ class CallerDrive:
         return True
 
     def refuse_nested(self):
-        """Raise if the calling thread holds the drive lock: it is inside a blocking
-        call that it runs (this call comes from a signal handler that interrupted
-        it), and nothing would run the loop for this one while it waits."""
-        if self._driver is not None and self._driver == _get_ident():
+        """Raise if the calling thread holds the drive lock (it is inside a blocking
+        call that it runs) or the engine's lock (inside submit or synchronize): this
+        call comes from a signal handler that interrupted it, and nothing could run
+        the loop for this one while it waits (the communication thread needs the lock)."""
+        if (self._driver is not None and self._driver == _get_ident()) or self._lock._is_owned():
             raise RuntimeError(
-                "bluefog_lite was called while this thread was inside another bluefog_lite call that it runs "
-                "(from a signal handler that interrupted a blocking call?): that call holds the "
-                "communication loop until it returns, so this one could never complete. In the handler, only "
-                "set a flag, and act on it after the interrupted call has returned")
+                "bluefog_lite was called while this thread was inside another bluefog_lite call that holds "
+                "the communication loop or its lock (from a signal handler that interrupted it?), so this one "
+                "could never complete. In the handler, only set a flag, and act on it after the interrupted "
+                "call has returned")
 
     def _run_until(self, op):
         """The loop, run by a caller that holds the drive lock, until op is done."""

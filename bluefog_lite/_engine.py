@@ -172,7 +172,9 @@ class Engine(CallerDrive, StallInspector):
         self.progress_poke_s = 0.002   # idle MPI poke; windows.py lowers it while windows exist
         self.idle_poke_s = 0.05        # the same with nothing in flight and every peer on this host
         self.wakeups = 0               # times the thread woke from its sleep (tests, benchmarks)
-        self._lock = threading.Lock()              # queue, names, handles
+        # queue, names, handles (an RLock: a call from a signal handler that interrupted a
+        # thread holding it is told by _is_owned, and refused: see refuse_nested)
+        self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)  # sleeping when there is no doorbell
         self._queue = collections.deque()
         self._ops = {}                 # handle -> Op (until synchronized)

@@ -224,8 +224,9 @@ def _forked_child():
     must not take part in the job: its exit must not run shutdown (the others saw
     the agent leave) nor its uncaught exception abort the job."""
     if _state.initialized:
-        from .timeline import _recorder
+        from .timeline import _control, _recorder
         _recorder.current = None
+        _control.forget_in_forked_child()
         _state.initialized = False
         _state.forked = True
         _state.engine = _state.departures = _state.comm = None

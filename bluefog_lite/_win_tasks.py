@@ -109,7 +109,8 @@ class Window:
         self.win = None
         self.held = {}          # rank -> hold count of its mutex (communication thread only)
         self.handles = []       # (handle, op name) of this window's ops (caller side)
-        self.submitting = threading.Lock()   # held while a caller names and enqueues an op
+        # held while a caller names and enqueues an op (re-entrant: see Engine._lock)
+        self.submitting = threading.RLock()
         self.mutex_blocks = 0   # win_mutex with-blocks of this agent now inside (caller side)
         self.tickets = 0        # next ticket (taken under the engine's queue lock): program order
         self.serving = 0        # lowest ticket not yet finished (communication thread)

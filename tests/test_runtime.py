@@ -127,7 +127,7 @@ def test_shutdown_waiting_for_an_unfinished_operation_does_not_spin():
     assert "shutdown with operations still in flight: ['lonely']" in out
 
 
-@pytest.mark.parametrize("mode", ["nested", "nested_shutdown", "finalize", "fork"])
+@pytest.mark.parametrize("mode", ["nested", "nested_lock", "nested_shutdown", "finalize", "fork"])
 def test_signal_handlers_mpi_finalize_and_fork_around_an_agent(mode):
     """A bf call from a signal handler inside a blocking call raises (it hung);
     a nested shutdown returns and the one cut short finishes at exit; MPI.Finalize()

@@ -281,6 +281,14 @@ def timeline_stop():
     _tell_followers()
 
 
+def forget_in_forked_child():
+    """In a child forked from an agent: the open file and its writer are the
+    parent's (closing it here would end the parent's file in the middle), and a lock
+    another thread held at the fork would stay held."""
+    global _session, _lock
+    _session, _lock = None, threading.RLock()
+
+
 def _close_session(at_shutdown=False):
     global _session
     session, _session = _session, None

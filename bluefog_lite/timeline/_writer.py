@@ -22,6 +22,7 @@ Begins and ends never go backwards on a track; a complete span begins no
 earlier than the last begin or end before it, and what follows it on its
 track no earlier than its end.
 """
+import collections
 import json
 import os
 import re
@@ -34,6 +35,7 @@ FLUSH_S = 0.05          # wake-up period; the spec asks for a flush at least eve
 METADATA_PID = 0        # pid of the agent-wide "bluefog_metadata" / "bluefog_end" events
 MAIN_TID, COMM_TID = 1, 2
 _CACHED = 4096          # entries of the writer's caches of JSON text (cleared when full)
+_FINISHED_KEPT = 1024   # finished rows of unnamed calls kept for their late events (COPY_TO_DEVICE)
 # the names ops._op_name gives calls without one: each is used by one call only
 _GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
 
@@ -60,6 +62,7 @@ class Writer:
         self.fd, self.path, self.recorder = fd, path, recorder
         self._pids = {}            # tensor name -> pid
         self._last_pid = 0
+        self._finished = collections.deque()    # (name, ident) of finished rows of unnamed calls, oldest first
         self._tids = {}            # thread ident -> tid
         self._tracks = {}          # (tensor name, thread ident) -> _Track
         self._quoted = {}          # text -> JSON string literal (a cache)
@@ -160,12 +163,23 @@ class Writer:
 
     def _forget(self, name, ident):
         """The row (name, ident) has no open span left: if name is an unnamed call's
-        (<op>.noname.<n>, never used again), drop its track, and with its last track
-        its pid: kept, they grew the writer's memory by ~1 KB per unnamed call."""
-        if _GENERATED.fullmatch(name):
-            del self._tracks[(name, ident)]
-            if not any((name, other) in self._tracks for other in self._tids):
-                del self._pids[name]
+        (<op>.noname.<n>, never used again), its track (and with its last track its
+        pid) is dropped once _FINISHED_KEPT later such rows have finished: kept, they
+        grew the writer's memory by ~1 KB per unnamed call; dropped at once, an event
+        that comes after the operation's end (the copy of a GPU result back to its
+        device, recorded at synchronize) opened a second row of the same name."""
+        if not _GENERATED.fullmatch(name):
+            return
+        finished = self._finished
+        finished.append((name, ident))
+        while len(finished) > _FINISHED_KEPT:
+            old = finished.popleft()
+            track = self._tracks.get(old)
+            if track is None or track.stack:     # (already dropped; or open again: kept)
+                continue
+            del self._tracks[old]
+            if not any((old[0], other) in self._tracks for other in self._tids):
+                del self._pids[old[0]]
 
     def _head(self, activity, kind):
         """The start of activity's line of kind 0 (B), 1 (E), 2 (instant) or 3 (X)."""
