@@ -129,7 +129,7 @@ def test_rows_of_unnamed_calls_are_forgotten_once_finished(tmp_path):
         events += [("B", t, name, "ENQUEUE_ALLREDUCE", caller), ("B", t + 1, name, "MPI_ALLREDUCE", comm),
                    ("X", (t + 2, t + 3), name, "COMMUNICATE", comm), ("i", t + 3, name, "SEND_TO 1", comm),
                    ("E", t + 4, name, None, comm), ("E", t + 5, name, None, caller)]
-    late = f"allreduce.noname.{n - 100}"
+    late = f"allreduce.noname.{n - 1000}"     # (about 1024 calls are kept)
     events += [("X", (10 ** 6, 10 ** 6 + 5), late, "COPY_TO_DEVICE", caller),
                ("B", 2 * 10 ** 6, "allreduce.noname.7x", "A", caller),
                ("E", 2 * 10 ** 6 + 1, "allreduce.noname.7x", "A", caller)]
@@ -146,6 +146,22 @@ def test_rows_of_unnamed_calls_are_forgotten_once_finished(tmp_path):
     assert [(p, b) for p, n_, b, _ in found if n_ == "COPY_TO_DEVICE"] == [(pid_of[late], 1000.0)]
     assert [(n_, b, e) for _, n_, b, e in found if n_ == "ENQUEUE_NEIGHBOR_ALLREDUCE"] == [
         ("ENQUEUE_NEIGHBOR_ALLREDUCE", 1.5, 10000.0)]     # still open at the stop: ended there
+
+
+def test_rows_of_unnamed_calls_without_a_begin_are_forgotten_too(tmp_path):
+    """A row that gets only complete spans (the COPY_TO_DEVICE of an unnamed call
+    synchronized on another thread than the one that made it) or only an end (a
+    call begun before recording began) never empties a stack: it is forgotten
+    like the others, not kept for the file's life."""
+    from bluefog_lite.timeline._writer import _FINISHED_KEPT
+    events = []
+    for i in range(3 * _FINISHED_KEPT):
+        name, t = f"allreduce.noname.{i}", 2000 + 10 * i
+        events += [("X", (t, t + 2), name, "COPY_TO_DEVICE", 3), ("E", t + 3, name, None, 4)]
+    got, w = write(tmp_path, events)
+    assert len(w._tracks) <= _FINISHED_KEPT and len(w._pids) <= _FINISHED_KEPT
+    assert w.dropped_ends == 3 * _FINISHED_KEPT
+    assert sum(e["name"] == "process_name" for e in got) == 3 * _FINISHED_KEPT
 
 
 def test_caches_of_ever_new_activity_names_stay_bounded(tmp_path):

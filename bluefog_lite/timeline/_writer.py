@@ -35,7 +35,7 @@ FLUSH_S = 0.05          # wake-up period; the spec asks for a flush at least eve
 METADATA_PID = 0        # pid of the agent-wide "bluefog_metadata" / "bluefog_end" events
 MAIN_TID, COMM_TID = 1, 2
 _CACHED = 4096          # entries of the writer's caches of JSON text (cleared when full)
-_FINISHED_KEPT = 1024   # finished rows of unnamed calls kept for their late events (COPY_TO_DEVICE)
+_FINISHED_KEPT = 2048   # finished rows of unnamed calls kept for late events (COPY_TO_DEVICE): ~1024 calls
 # the names ops._op_name gives calls without one: each is used by one call only
 _GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
 
@@ -164,7 +164,8 @@ class Writer:
     def _forget(self, name, ident):
         """The row (name, ident) has no open span left: if name is an unnamed call's
         (<op>.noname.<n>, never used again), its track (and with its last track its
-        pid) is dropped once _FINISHED_KEPT later such rows have finished: kept, they
+        pid) is dropped once _FINISHED_KEPT later such rows have finished (a call
+        finishes two: its caller's and the communication thread's): kept, they
         grew the writer's memory by ~1 KB per unnamed call; dropped at once, an event
         that comes after the operation's end (the copy of a GPU result back to its
         device, recorded at synchronize) opened a second row of the same name."""
@@ -206,6 +207,10 @@ class Writer:
             track = tracks.get((name, ident))
             if track is None:
                 track = self._new_track(name, ident, lines)
+                if ph != "B" and ph != "S" and ".noname." in name:
+                    # a row that begins with no begin (a COPY_TO_DEVICE of a call synchronized
+                    # on another thread; an end of a call begun before recording) has no end to wait for
+                    self._forget(name, ident)
             if ph == "X":
                 # A whole span, recorded at its end, after what happened inside it;
                 # it starts no earlier than the last begin or end on its row, and
