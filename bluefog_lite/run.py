@@ -22,7 +22,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 NO_LAUNCHER_HINT = (
     "install the mpich wheel (pip install mpich) or put mpiexec/mpirun on PATH")
 USAGE_ERROR = 2
-SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = 10.0     # the default of BLUEFOG_SHUTDOWN_GRACE_S
 _RANK_GUARD_FLAG = "--_rank-guard"
 _NO_STATUS_DIR = "-"
 _PR_SET_PDEATHSIG = 1   # prctl(2)
@@ -405,6 +405,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if problem:
         return _fail(problem)
     try:
+        grace = shutdown_grace(os.environ)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
         launcher = find_launcher()
     except LauncherNotFound as exc:
         return _fail(str(exc))
@@ -426,7 +430,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.verbose:
             print(f"bfrun: {shlex.join(command)}", file=sys.stderr, flush=True)
         env = dict(os.environ, **bluefog_env(args))
-        code = _run_job(command, env)
+        code = _run_job(command, env, grace)
         failed_rank_code = _first_failure(status_dir)
         if code != 0 and failed_rank_code is not None:
             code = failed_rank_code
@@ -436,6 +440,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             shutil.rmtree(status_dir, ignore_errors=True)
         if translated_hostfile:
             os.unlink(translated_hostfile)
+
+
+def shutdown_grace(environ: Mapping[str, str]) -> float:
+    """Seconds the job has to end after a signal to bfrun before it is killed:
+    $BLUEFOG_SHUTDOWN_GRACE_S (a checkpoint written on SIGTERM may need longer than
+    the default; SLURM waits 30 s between SIGTERM and SIGKILL by default)."""
+    text = environ.get("BLUEFOG_SHUTDOWN_GRACE_S", "").strip()
+    if not text:
+        return SHUTDOWN_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"BLUEFOG_SHUTDOWN_GRACE_S must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _fail(message: str) -> int:
@@ -458,7 +478,7 @@ def _print_version() -> None:
         print(f"MPI launcher: none ({exc})")
 
 
-def _run_job(command: List[str], env: Mapping[str, str]) -> int:
+def _run_job(command: List[str], env: Mapping[str, str], grace: float = SHUTDOWN_GRACE_S) -> int:
     """Run the launcher in its own process group; relay SIGINT/SIGTERM/SIGHUP/SIGQUIT
     to it (and, on Linux, the kernel sends it SIGTERM if bfrun is killed outright).
     SIGHUP goes on as SIGTERM: Hydra passes SIGTERM to the ranks, while SIGHUP kills
@@ -467,7 +487,7 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
     a shell script's background jobs start with ignored, are relayed all the same
     (Hydra takes them whatever it inherits).
 
-    After the first signal the launcher has SHUTDOWN_GRACE_S seconds to stop
+    After the first signal the launcher has ``grace`` seconds to stop
     the ranks (Hydra forwards the signal to every rank's process group, and a
     second one makes it abort at once), then its group gets SIGKILL, which
     makes Hydra's proxies kill the ranks.
@@ -495,7 +515,7 @@ def _run_job(command: List[str], env: Mapping[str, str]) -> int:
             return _fail(f"cannot start the MPI launcher {command[0]!r}: {exc}")
         if received:  # a signal came before the launcher existed
             _signal_group(process[0], _RELAY_AS.get(received[0], received[0]))
-        code = _wait_with_deadline(process[0], received)
+        code = _wait_with_deadline(process[0], received, grace)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -530,7 +550,7 @@ def _stop_with(parent: int):
     return preexec
 
 
-def _wait_with_deadline(proc: subprocess.Popen, received: List[int]) -> int:
+def _wait_with_deadline(proc: subprocess.Popen, received: List[int], grace: float) -> int:
     deadline = None
     while True:
         try:
@@ -538,10 +558,10 @@ def _wait_with_deadline(proc: subprocess.Popen, received: List[int]) -> int:
         except subprocess.TimeoutExpired:
             pass
         if received and deadline is None:
-            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            deadline = time.monotonic() + grace
         elif deadline is not None and time.monotonic() > deadline:
-            print(f"bfrun: the job did not stop within {SHUTDOWN_GRACE_S:g} s "
-                  "of the signal; killing it", file=sys.stderr, flush=True)
+            print(f"bfrun: the job did not stop within {grace:g} s of the signal; killing it "
+                  "(BLUEFOG_SHUTDOWN_GRACE_S gives it longer)", file=sys.stderr, flush=True)
             _signal_group(proc, signal.SIGKILL)
             return proc.wait()
 

@@ -505,6 +505,31 @@ def _trapping_launcher(tmp_path):
     return str(path), pidfile, got
 
 
+def test_the_grace_after_a_signal_is_configurable(tmp_path):
+    """A job that does not end after SIGTERM (a checkpoint being written) is killed
+    BLUEFOG_SHUTDOWN_GRACE_S seconds later (10 by default: too short for some saves)."""
+    pidfile = tmp_path / "launcher.pid"
+    path = tmp_path / "mpiexec"
+    path.write_text("#!/bin/sh\n"
+                    "if [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
+                    f"trap '' TERM\necho $$ > {pidfile}\nsleep 60 &\nwait\n")
+    path.chmod(0o755)
+    env = dict(os.environ, BLUEFOG_MPIEXEC=str(path), BLUEFOG_SHUTDOWN_GRACE_S="1.5")
+    proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    pid = _launcher_pid(pidfile, proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert 1.4 < time.monotonic() - t0 < 9, "the grace was not the one given"
+    assert "did not stop within 1.5 s of the signal; killing it (BLUEFOG_SHUTDOWN_GRACE_S" in err, err
+    assert _gone(pid, 10)
+    for bad in ("0", "-3", "soon", "inf", "nan"):
+        code, _, err = _run_bounded(_bfrun("-np", "2", "prog"), 30, env=dict(env, BLUEFOG_SHUTDOWN_GRACE_S=bad))
+        assert code == 2 and f"BLUEFOG_SHUTDOWN_GRACE_S must be a number of seconds > 0, got '{bad}'" in err, err
+
+
 def test_sighup_reaches_the_launcher_as_sigterm(tmp_path):
     """Hydra's mpiexec dies of SIGHUP at once (the ranks with it); SIGTERM it passes on."""
     launcher, pidfile, got = _trapping_launcher(tmp_path)
