@@ -429,15 +429,21 @@ def test_open_mpi_job_gets_the_environment_and_stops_on_a_failing_rank(tmp_path)
 # --------------------------------------------------------------------------
 # Signals bfrun cannot or need not handle itself
 
-def _sleeping_launcher(tmp_path):
-    """A launcher that says it is Hydra, then writes its pid and sleeps."""
+def _fake_hydra(tmp_path, body):
+    """A launcher script that says it is Hydra, then runs the shell lines body;
+    returns (its path, the file it may write its pid to)."""
     pidfile = tmp_path / "launcher.pid"
     path = tmp_path / "mpiexec"
     path.write_text("#!/bin/sh\n"
                     "if [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
-                    f"echo $$ > {pidfile}\nexec sleep 60\n")
+                    + body.format(pidfile=pidfile))
     path.chmod(0o755)
     return str(path), pidfile
+
+
+def _sleeping_launcher(tmp_path):
+    """A launcher that says it is Hydra, then writes its pid and sleeps."""
+    return _fake_hydra(tmp_path, "echo $$ > {pidfile}\nexec sleep 60\n")
 
 
 def _launcher_pid(pidfile, proc):
@@ -495,26 +501,18 @@ def test_sigquit_is_passed_to_the_launcher(tmp_path):
 def _trapping_launcher(tmp_path):
     """A launcher that says it is Hydra, writes its pid, and on SIGTERM or SIGHUP
     writes the signal's name to a file and exits."""
-    pidfile, got = tmp_path / "launcher.pid", tmp_path / "got"
-    path = tmp_path / "mpiexec"
-    path.write_text("#!/bin/sh\n"
-                    "if [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
-                    f"trap 'echo TERM > {got}; exit 0' TERM\ntrap 'echo HUP > {got}; exit 0' HUP\n"
-                    f"echo $$ > {pidfile}\nsleep 60 &\nwait\n")
-    path.chmod(0o755)
-    return str(path), pidfile, got
+    got = tmp_path / "got"
+    path, pidfile = _fake_hydra(tmp_path, f"trap 'echo TERM > {got}; exit 0' TERM\n"
+                                f"trap 'echo HUP > {got}; exit 0' HUP\n"
+                                "echo $$ > {pidfile}\nsleep 60 &\nwait\n")
+    return path, pidfile, got
 
 
 def test_the_grace_after_a_signal_is_configurable(tmp_path):
     """A job that does not end after SIGTERM (a checkpoint being written) is killed
     BLUEFOG_SHUTDOWN_GRACE_S seconds later (10 by default: too short for some saves)."""
-    pidfile = tmp_path / "launcher.pid"
-    path = tmp_path / "mpiexec"
-    path.write_text("#!/bin/sh\n"
-                    "if [ \"$1\" = --version ]; then echo 'HYDRA build details:'; exit 0; fi\n"
-                    f"trap '' TERM\necho $$ > {pidfile}\nsleep 60 &\nwait\n")
-    path.chmod(0o755)
-    env = dict(os.environ, BLUEFOG_MPIEXEC=str(path), BLUEFOG_SHUTDOWN_GRACE_S="1.5")
+    path, pidfile = _fake_hydra(tmp_path, "trap '' TERM\necho $$ > {pidfile}\nsleep 60 &\nwait\n")
+    env = dict(os.environ, BLUEFOG_MPIEXEC=path, BLUEFOG_SHUTDOWN_GRACE_S="1.5")
     proc = subprocess.Popen([sys.executable, BFRUN, "-np", "2", "--no-rank-guard", "prog"], env=env,
                             stderr=subprocess.PIPE, text=True)
     pid = _launcher_pid(pidfile, proc)
