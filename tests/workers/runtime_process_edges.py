@@ -34,58 +34,54 @@ r = bf.rank()
 if r == 1:      # (output order between the agents does not matter)
     time.sleep(0.1)
 
-if mode == "nested":
+
+def signalled(period_s):
+    """SIGUSR1 to this process every period_s from a thread, whose handler makes a
+    call without peers (it completes at once unless the loop or its lock is held)
+    and records "returned" or the RuntimeError's text in the list returned, with the
+    function that stops the signals."""
     seen = []
 
     def handler(signum, frame):
-        try:      # a call without peers: it completes at once unless the loop is held
+        try:      # (a handler may interrupt a handler: a name of its own each time)
             bf.neighbor_allreduce(torch.ones(3), self_weight=1.0, src_weights={}, dst_weights=[],
-                                  enable_topo_check=False, name="in_handler")
+                                  enable_topo_check=False, name=f"in_handler.{len(seen)}.{time.monotonic_ns()}")
             seen.append("returned")
         except RuntimeError as exc:
             seen.append(str(exc))
-    signal.signal(signal.SIGUSR1, handler)
-    x = torch.full((1000,), float(r))
     handler(None, None)       # (imports what the call needs: not in the middle of an import later)
     assert seen.pop() == "returned"
+    signal.signal(signal.SIGUSR1, handler)
     done = threading.Event()
 
     def ring():
-        while not done.wait(0.01):
+        while not done.wait(period_s):
             os.kill(os.getpid(), signal.SIGUSR1)
     ringer = threading.Thread(target=ring)
+    ringer.start()
+
+    def stop():
+        done.set()
+        ringer.join()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    return seen, stop
+
+
+if mode == "nested":
+    x = torch.full((1000,), float(r))
     if r == 0:
-        ringer.start()
+        seen, stop = signalled(0.01)
     for i in range(1500):      # blocking calls, most of them run by this thread
         y = bf.neighbor_allreduce(x, name="nb")
         assert torch.allclose(y, torch.full((1000,), 0.5)), y
-    done.set()
     if r == 0:
-        ringer.join()
+        stop()
         nested = [text for text in seen if text != "returned"]
         assert nested, f"no signal came during a call: {seen[:3]}"
         assert all("inside another bluefog_lite call" in text for text in nested), nested[0]
     bf.barrier()
 elif mode == "nested_lock":
-    seen, count = [], [0]
-
-    def handler(signum, frame):
-        count[0] += 1
-        try:      # (a handler may interrupt a handler: a name of its own each time)
-            bf.neighbor_allreduce(torch.ones(3), self_weight=1.0, src_weights={}, dst_weights=[],
-                                  enable_topo_check=False, name=f"in_handler.{count[0]}")
-            seen.append("returned")
-        except RuntimeError as exc:
-            seen.append(str(exc))
-    handler(None, None)
-    signal.signal(signal.SIGUSR1, handler)
-    done = threading.Event()
-
-    def ring():
-        while not done.wait(0.0005):
-            os.kill(os.getpid(), signal.SIGUSR1)
-    ringer = threading.Thread(target=ring)
-    ringer.start()
+    seen, stop = signalled(0.0005)
     x = torch.full((10,), float(r))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 2.0:      # nonblocking calls without peers, many at once
@@ -93,9 +89,7 @@ elif mode == "nested_lock":
                                                      enable_topo_check=False, name=f"m{k}") for k in range(20)]
         for h in handles:
             assert torch.equal(bf.synchronize(h), x)
-    done.set()
-    ringer.join()
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    stop()
     nested = [text for text in seen if text != "returned"]
     assert all("inside another bluefog_lite call" in text for text in nested), nested[:1]
     assert "returned" in seen, seen[:3]
