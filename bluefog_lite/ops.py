@@ -9,7 +9,6 @@ timeline is off, on the caller (Engine._drive_until).
 import collections
 import itertools
 import os
-import re
 import threading
 
 import numpy as np
@@ -19,6 +18,7 @@ from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, 
                          _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
 from ._runtime import plan_key, state
+from .timeline._writer import GENERATED_NAME
 from ._waits import Requests
 
 _name_counters = collections.defaultdict(itertools.count)   # kind -> the numbers of its unnamed calls
@@ -34,7 +34,6 @@ RESERVED_NAMES = {
     "broadcast_parameters.check": "broadcast_parameters()", "allreduce_parameters.check": "allreduce_parameters()",
     "broadcast.optimizer_state": "broadcast_optimizer_state()",
 }
-_GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
 
 
 def _op_name(name, kind):
@@ -49,7 +48,7 @@ def check_name(name, what="name", fix="choose another name"):
         raise TypeError(f"{what} must be a non-empty string, got {name!r}")
     if name in RESERVED_NAMES:
         raise ValueError(f"{what} {name!r} is reserved: bluefog_lite's {RESERVED_NAMES[name]} runs under it; {fix}")
-    if ".noname." in name and _GENERATED.fullmatch(name):
+    if ".noname." in name and GENERATED_NAME.fullmatch(name):
         raise ValueError(f"{what} {name!r} has the form '<operation>.noname.<n>', reserved for the names "
                          f"given to calls without one; {fix}")
     return name

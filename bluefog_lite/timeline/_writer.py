@@ -36,8 +36,9 @@ METADATA_PID = 0        # pid of the agent-wide "bluefog_metadata" / "bluefog_en
 MAIN_TID, COMM_TID = 1, 2
 _CACHED = 4096          # entries of the writer's caches of JSON text (cleared when full)
 _FINISHED_KEPT = 2048   # finished rows of unnamed calls kept for late events (COPY_TO_DEVICE): ~1024 calls
-# the names ops._op_name gives calls without one: each is used by one call only
-_GENERATED = re.compile(r"[a-z_]+\.noname\.[0-9]+")
+# the form of the names ops._op_name gives calls without one (each used by one call
+# only), which users may not choose (ops.check_name)
+GENERATED_NAME = re.compile(r"[a-z_]+\.noname\.[0-9]+")
 
 
 def _ts(t_ns):
@@ -169,7 +170,7 @@ class Writer:
         grew the writer's memory by ~1 KB per unnamed call; dropped at once, an event
         that comes after the operation's end (the copy of a GPU result back to its
         device, recorded at synchronize) opened a second row of the same name."""
-        if not _GENERATED.fullmatch(name):
+        if not GENERATED_NAME.fullmatch(name):
             return
         finished = self._finished
         finished.append((name, ident))
