@@ -1,4 +1,5 @@
 """Runtime behaviour: size 1, errors before init/after shutdown, stall inspector, abort."""
+import os
 import re
 import time
 from types import SimpleNamespace
@@ -134,6 +135,18 @@ def test_signal_handlers_mpi_finalize_and_fork_around_an_agent(mode):
     shuts bluefog_lite down first (segmentation fault) and init() after it raises;
     a forked child is not an agent."""
     run_agents(2, "runtime_process_edges.py", mode, timeout=90)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="MPICH keeps its segments in /dev/shm on Linux")
+def test_a_killed_job_leaves_no_shared_memory_segment():
+    """MPICH removes its segment's name only in MPI_Finalize; a job that ends another
+    way (here an agent killed with SIGKILL) left 2-4 MB of RAM in /dev/shm for good."""
+    rc, out = run_agents(2, "runtime_killed_segment.py", timeout=60, expect_ok=False)
+    assert rc != 0, out
+    lines = [line.split()[2:] for line in out.splitlines() if line.startswith("SEGMENTS ")]
+    paths = {p for line in lines for p in line}
+    assert len(lines) == 2 and paths, out      # (the pip MPICH maps one per host)
+    assert not [p for p in paths if os.path.exists(p)], (paths, out)
 
 
 def test_init_waiting_for_a_late_agent_does_not_spin():
