@@ -109,7 +109,7 @@ class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
                  "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready",
-                 "completed", "at_shutdown", "done")
+                 "completed", "at_shutdown", "done", "freed")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -134,6 +134,7 @@ class Op:
         self.ready = None      # the still running copy of its device input to the host (_devices.py)
         self.completed = False     # _finish does not complete it: see complete_early, split_group
         self.at_shutdown = False   # shutdown's win_free: no op timeout; see _departures.py
+        self.freed = None      # called once its handle is synchronized (see submit)
 
     def is_done(self):
         return self.done
@@ -208,7 +209,8 @@ class Engine(CallerDrive, StallInspector):
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------
-    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True, deliver=None, ready=None):
+    def submit(self, name, kind, task, fuse=None, inline=False, reserve=True, deliver=None, ready=None,
+               freed=None):
         """Enqueue generator ``task`` (created as task(engine, op)) and return its handle.
         ``fuse``: a _fusion.Fusable, if the op may run fused with others of the same key.
         ``inline``: the caller synchronizes at once (a blocking call), so the sleeping
@@ -219,7 +221,9 @@ class Engine(CallerDrive, StallInspector):
         ``deliver``: run by synchronize on the result, on the synchronizing thread
         (a device tensor's result goes back to its device: _devices.py).
         ``ready``: the event of the copy of its device input to the host, still
-        running; the task waits for it before it reads the input (_devices.copied)."""
+        running; the task waits for it before it reads the input (_devices.copied).
+        ``freed``: called without arguments once the handle is synchronized (on the
+        synchronizing thread, without the engine's lock; windows.py frees the op's name)."""
         inline = inline and self.caller_progress and tl.current is None
         self.refuse_nested()
         with self._lock:
@@ -233,6 +237,7 @@ class Engine(CallerDrive, StallInspector):
             op.reserved = reserve
             op.deliver = deliver
             op.ready = ready
+            op.freed = freed
             op.task = task(self, op)
             if reserve:
                 self._names.add(name)
@@ -288,6 +293,8 @@ class Engine(CallerDrive, StallInspector):
                 raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
             if op.reserved:
                 self._names.discard(op.name)
+        if op.freed is not None:
+            op.freed()
         if op.error is not None:
             raise op.error
         return op.result if op.deliver is None else op.deliver(op.result)

@@ -108,7 +108,8 @@ class Window:
         self.layout = self.layouts[rank]
         self.win = None
         self.held = {}          # rank -> hold count of its mutex (communication thread only)
-        self.handles = []       # (handle, op name) of this window's ops (caller side)
+        self.handles = {}       # k -> handle of this window's unsynchronized op named name#k (caller side)
+        self.free_numbers = []  # heap of the k < len(handles) free again (windows._submit)
         # held while a caller names and enqueues an op (re-entrant: see Engine._lock)
         self.submitting = threading.RLock()
         self.mutex_blocks = 0   # win_mutex with-blocks of this agent now inside (caller side)
