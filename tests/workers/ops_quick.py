@@ -24,10 +24,13 @@ small, so small and large ones interleave.
    a name (nonblocking) before a call under another name that rank 0 joins first,
    so rank 0 finds them in its inbox when it makes that round's blocking call
    ("quick_ahead"); results right on every agent.
+8. The user's numpy error state set to raise: underflow and overflow on the quick
+   path give what torch gives (inf, subnormals), on every call.
 """
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -171,6 +174,27 @@ for rnd in range(3):
     assert np.allclose(b.numpy(), (mix @ (np.arange(n, dtype=np.float64) + rnd))[r]), f"rank {r}: 'b' is wrong"
 if r == 0 and not LARGE:
     assert stats["quick_ahead"] > ahead0, "rank 0: the second round's inputs were never taken from the inbox"
+
+# 8. the user's numpy error state (np.seterr(all="raise"), warnings as errors) does not
+# reach the quick path's arithmetic: underflow in a scaled send (rank 0 to 2, x0 = 1e-40
+# times 0.3), overflow in an average (rank 0 takes 2 * 3e38) give what torch gives on the
+# general path. It raised, on rank 0 between its two sends: its next calls then
+# averaged with rank 1's previous round, and rank 2 waited for good.
+plans = {0: (0.5, {1: 2.0}, {1: 1.0, 2: 0.3}), 1: (0.5, {0: 0.5}, {0: 1.0}), 2: (0.5, {0: 1.0}, {})}
+sw, srcw, dstw = plans.get(r, (1.0, {}, {}))
+scale = {s: plans[s][2][r] for s in srcw}
+values = {0: (1e-40, 1.0, 2.0, 3.0), 1: (1.0, 3e38, 5.0, 6.0)}
+taken0 = taken()
+with np.errstate(all="raise"), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for call in range(4):
+        v = {q: torch.full((4,), values[q][call] if q in values else 10.0 * q + call) for q in range(n)}
+        want = sw * v[r] + sum(w * (v[s] * scale[s]) for s, w in srcw.items())
+        thread_asleep(state().engine)
+        got = bf.neighbor_allreduce(v[r], self_weight=sw, src_weights=srcw, dst_weights=dstw,
+                                    enable_topo_check=False, name="errstate")
+        assert torch.equal(got, want), f"rank {r}: call {call} under np.seterr: {got} != {want}"
+assert r > 2 or taken() > taken0, f"rank {r}: no call under np.seterr took the quick path"
 
 bf.barrier()
 if LARGE:
