@@ -587,7 +587,8 @@ class Engine(CallerDrive, StallInspector):
             for key in arrived:
                 if discard and key in discard:
                     self._drop_stale(key)
-                    continue
+                    if key in discard:     # a stale one is still on its way: nothing to take yet
+                        continue
                 op = waiters.get(key)
                 if op is not None:
                     woken[op] = None
@@ -663,6 +664,7 @@ class Engine(CallerDrive, StallInspector):
             except StopIteration as stop:
                 op.result = stop.value
                 op.finished_task = True
+                op.wait = None      # (a Recv met at once in this loop would stay: the op was split later)
                 op.waiting_since = _monotonic()    # now for its sends, if any are left
                 if not self._advance(op):
                     self._polled.add(op)    # its large sends are still in flight

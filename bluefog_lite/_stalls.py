@@ -241,7 +241,12 @@ class StallInspector:
                         "run on it any more in this run (neighbor operations, barrier and window puts, gets "
                         "and updates still can)")
                 if op.finished_task:
-                    pass    # only its sends are left: _finish keeps them going (keep_sending)
+                    # only its sends are left: _finish keeps them going (keep_sending). A
+                    # fused group's members sent in the same message: they fail with it
+                    # (they returned their results while the lead raised)
+                    for rider in op.riders:
+                        if not rider.completed:
+                            rider.error = op.error
                 elif isinstance(op.wait, Requests):
                     # A posted MPI call still reads and writes its buffers (an in-place
                     # target included) until it completes: the task, whose frame holds
@@ -295,8 +300,12 @@ class StallInspector:
         sys.stderr.flush()
 
     def _drop_stale(self, key):
-        entry = self.stream.take(*key)
-        if entry is not None:
+        """Drop the inputs of timed-out ops at the head of key's queue, those that are
+        in (they come before any later op's: a sender's entries of a name are in order)."""
+        while key in self._discard:
+            entry = self.stream.take(*key)
+            if entry is None:
+                return
             entry.release()
             self._discard[key] -= 1
             if self._discard[key] <= 0:

@@ -72,6 +72,16 @@ def test_shutdown_names_a_split_group_whose_large_send_nobody_takes():
     assert "still in flight: [] (and the sends of the split fused group ['a', 'b', 'c'])" in out, out[-3000:]
 
 
+def test_a_fused_group_waiting_only_for_its_send_is_not_split():
+    """Its task finished at once (inputs already in); its slab waits for a slow
+    receiver: it was split, took the next round's inputs and crashed the thread."""
+    run_agents(3, "ops_fused_sends.py", "late", timeout=90)
+
+
+def test_a_fused_group_whose_send_times_out_fails_every_member():
+    run_agents(3, "ops_fused_sends.py", "timeout", timeout=60, env={"BLUEFOG_OP_TIMEOUT_S": "0.5"})
+
+
 def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
     # (the receiver that never comes is told at shutdown)
     run_agents(4, "ops_failed_sends.py", timeout=90, untaken_ok=True, env={"BLUEFOG_STALL_WARNING_S": "30"})
