@@ -141,7 +141,7 @@ class _CountForward(CopiedInert):
             if any(p.requires_grad for p in self.params):
                 self.counts[self.index] += 1
                 self.counts[-1] += 1    # passes since the last step
-            self.wrapper._synced = False
+            self.wrapper._activity()
             self.wrapper._pass_begins()
 
 
@@ -318,6 +318,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._frozen_in_round = None    # see _round_frozen
         self._launched = set()      # names whose communication a pass started this round
         self._synced = False        # synchronize() ended the round; no step() or new pass since
+        self._stepped = False       # step() ended the round; no pass, gradient or zero_grad() since
         self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
         # per-step knobs for dynamic topologies (read when communication launches)
@@ -371,23 +372,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             state_dict = _returned(hook(self, state_dict), state_dict)
         state_dict = dict(state_dict)
         counters = state_dict.pop(_COUNTERS, None)
+        # checked before anything is loaded: a refused state changes nothing
+        values = None if counters is None else self._checked_counters(counters)
         self.optimizer.load_state_dict(state_dict)
-        if counters is not None:
-            self._restore_counters(counters)
+        if values is not None:
+            self._set_counters(values)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def _counters(self):
         return {"steps": self._steps}
 
-    def _restore_counters(self, counters):
+    def _checked_counters(self, counters):
+        """The counters of a state dict, checked: {name: value} for _set_counters."""
         steps = counters.get("steps") if isinstance(counters, dict) else None
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"load_state_dict: {_COUNTERS!r} must hold the wrapper's step count, got {counters!r}")
-        self._steps = steps
+        return {"steps": steps}
+
+    def _set_counters(self, values):
+        self._steps = values["steps"]
+
+    def _activity(self):
+        """Something of a new round happened: a pass, a gradient, zero_grad(), a launch."""
+        self._synced = self._stepped = False
 
     def zero_grad(self, set_to_none=True):
-        self._synced = False        # a new pass (even one that starts nothing)
+        self._activity()        # a new pass (even one that starts nothing)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group):
@@ -443,7 +454,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         communication of this step and install the results. That ends the round:
         whether or not step() follows (a gradient scaler skips it when gradients
         overflow), the next pass starts the next one. Nothing started since the last
-        synchronize() (step() after it without skip_synchronize()): does nothing."""
+        synchronize() (step() after it without skip_synchronize()) or step() (no
+        pass, gradient or zero_grad() since): does nothing, as in Bluefog. (It began
+        a round of its own: ATC stepped again with the last gradient, and an agent
+        calling it alone, say before saving a checkpoint, went a round out of step.)"""
+        if not self._stepped:
+            self._synchronize()
+
+    def _synchronize(self):
+        """synchronize(); step() calls it even with no pass since the last step (that
+        step counts as one pass)."""
         if self._synced:
             return
         self._rest_once()
@@ -512,7 +532,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _started(self, name, p, handle):
         """Keep a handle of this round (something new to synchronize)."""
         self._handles[name] = (p, handle)
-        self._synced = False
+        self._activity()
 
     def _all_handles(self, finish):
         """finish(p, handle) for every handle of this step (ops._finish_all); after an
@@ -529,7 +549,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """step()'s synchronize; inside skip_synchronize() the caller has synchronized
         already (which started the rest), or must: only the rest is started then."""
         if not self._skip_sync:
-            self.synchronize()
+            self._synchronize()
         elif not self._synced:
             self._rest_once()
 
@@ -550,7 +570,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._round_over()
         if not self._synced:        # (no synchronize() ended this step's round)
             self._advance_period()
-        self._synced = False
+        self._synced, self._stepped = False, True
         _timeline.wrapper_step(self)
         thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
         if thawed:
@@ -710,7 +730,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
                 self._in_order = self._ordered
 
     def _launch(self, name, p):
-        self._synced = False        # a new round (even while the fixed order holds it back)
+        self._activity()        # a new round (even while the fixed order holds it back)
         self._set_round()
         if self._refused is not None:
             return
@@ -780,16 +800,22 @@ class _ForwardCounted:
     def _counters(self):
         return dict(super()._counters(), forwards=list(self._forwards))
 
-    def _restore_counters(self, counters):
-        super()._restore_counters(counters)
+    def _checked_counters(self, counters):
+        values = super()._checked_counters(counters)
         forwards = counters.get("forwards")
         if (isinstance(forwards, list) and len(forwards) == len(self._forwards)
                 and all(isinstance(c, int) and c >= 0 for c in forwards)):
-            self._forwards[:] = forwards      # (the hooks hold this list)
+            values["forwards"] = forwards
         elif forwards is not None:
             raise ValueError(f"load_state_dict: {_COUNTERS!r} holds forward counts {forwards!r} for "
                              f"{len(forwards) - 1 if isinstance(forwards, list) else '?'} model(s); this wrapper "
                              f"has {len(self._forwards) - 1}")
+        return values
+
+    def _set_counters(self, values):
+        super()._set_counters(values)
+        if "forwards" in values:
+            self._forwards[:] = values["forwards"]      # (the hooks hold this list)
 
     def _advance_period(self):
         communicated = self._communicating()
@@ -866,7 +892,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
 
     def _grad_hook(self, name, group):
         def hook(p):
-            self._synced = False
+            self._activity()
             if name in self._updated:
                 # The first gradient has been applied and sent already: the sum of
                 # several passes cannot be, and silently dropping one would be wrong.
@@ -974,7 +1000,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def _grad_hook(self, name):
         def hook(p):
-            self._synced = False
+            self._activity()
             n, k = self._passes.get(name, 0) + 1, self.num_steps_per_communication
             if n > k:
                 # The average of the first k passes is in flight: this gradient (already
@@ -1088,12 +1114,18 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         h = windows.win_put_nonblocking(p.detach(), self._prefix + name, dst_weights=self.dst_weights)
         self._started(name, p, h)
 
-    def synchronize(self):
+    def _synchronize(self):
         """Finish this round's puts and combine what has arrived; once per round (a
         second call, e.g. step() after synchronize() without skip_synchronize(), does
         nothing until the next pass)."""
         if self._synced:
             return
+        if (self.self_weight is None) != (self.src_weights is None):
+            # (win_update would refuse them after the puts; without self_weight, src_weights
+            # were ignored: the default weights were used, silently)
+            raise ValueError(f"{type(self).__name__}: self_weight and src_weights must be set together (or "
+                             f"neither, for the topology's weights), got self_weight={self.self_weight!r} and "
+                             f"src_weights={self.src_weights!r}")
         self._check_memory()
         frozen = self._round_frozen()
         for name, p in self._not_started():
@@ -1129,7 +1161,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
             ops.barrier()
         loss = self._run_closure(closure)
         if self._communicating() and not self._skip_sync:
-            self.synchronize()
+            self._synchronize()
         self.optimizer.step()
         self._finish_step()
         return loss

@@ -160,6 +160,12 @@ def test_two_backward_passes_before_step():
     run_agents(2, "opt_accumulate.py", timeout=120)
 
 
+def test_calls_between_steps_synchronize_winput_knobs_and_refused_state():
+    """synchronize() right after step() on one agent changes nothing; WinPut refuses
+    src_weights without self_weight; a refused load_state_dict loads nothing."""
+    run_agents(4, "opt_between_steps.py", timeout=150)
+
+
 def test_communication_period_and_atc_hyper_parameters_after_load_state_dict():
     """num_steps_per_communication=3: steps 3, 6, ... communicate (x after step s is
     W^(s // 3) x0 with lr 0); ATC steps with param_groups as loaded and changed; every
