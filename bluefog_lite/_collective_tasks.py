@@ -7,7 +7,7 @@ import torch
 from ._devices import copied
 from ._mpi import MPI
 from ._neighbor_tasks import mark_sends
-from ._stream import tensor_bytes
+from ._stream import dtype_name, tensor_bytes
 from ._tasks import _HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exchange_headers
 from ._waits import Requests, Turn
 
@@ -47,11 +47,17 @@ def _writes_in_place(target):
 
 def allreduce(eng, op, x, average, target):
     """target: the tensor to write into (allreduce_) or None for a new one."""
-    views = yield from exchange_headers(eng, op, _meta(x), mpi_call=True)
-    _same_meta_or_raise(op, views, _meta_text)
-    yield from copied(op)
     dtype = x.dtype
     wide = _reduced_in(dtype, average)
+    views = yield from exchange_headers(eng, op, (_meta(x), dtype_name(wide)), mpi_call=True)
+    _same_meta_or_raise(op, [v[0] for v in views], _meta_text)
+    if len({v[1] for v in views}) != 1:
+        # (MPI would be given buffers of different types: it aborted the job)
+        listing = ", ".join(f"rank {r}: summed in {v[1]}" for r, v in enumerate(views))
+        raise ValueError(f"{op.kind} {op.name!r}: agents passed different average= for a {dtype_name(dtype)} "
+                         f"tensor ({listing}); an average of narrow integers is summed in int64, a sum in the "
+                         "tensor's dtype: pass the same average on every agent")
+    yield from copied(op)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         if wide != dtype:
             x = out = x.to(wide)

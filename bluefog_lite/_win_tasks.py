@@ -27,6 +27,7 @@ import weakref
 import numpy as np
 import torch
 
+from ._arguments import _fits_scaled
 from ._stalls import OpTimeout
 from ._waits import Requests, Sleep, Turn
 from ._mpi import MPI
@@ -360,6 +361,8 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     try:
         if user_tensor is not None:
             x = plain(x)
+        if win.nbytes:      # (an integer window: checked before anything is sent)
+            _fits_scaled(x, [*dst_weights.values(), self_weight], f"{op.kind.lower()} into window {win.name!r}")
         with _phase(op.name, "COMMUNICATE"):
             p_self, keep = float(win.p[0]), []
             if win.nbytes and x.dtype != win.stored:

@@ -14,8 +14,8 @@ import threading
 import numpy as np
 
 from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
-from ._arguments import (_flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list, _ranks_named,
-                         _reducible, _tensor, _weight, _writable)
+from ._arguments import (_fits_scaled, _flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list,
+                         _ranks_named, _reducible, _tensor, _weight, _writable)
 from ._fusion import Fusable
 from ._runtime import plan_key, state
 from .timeline._writer import GENERATED_NAME
@@ -250,12 +250,25 @@ def _local_allreduce(name, tensor, average, in_place):
     return _submit("ALLREDUCE", name, task, deliver=_in_place(tensor, name))
 
 
+def _local_flag(is_hierarchical_local):
+    """(is_hierarchical_local checked, None) or, if it is bad, (False, its error): the
+    call then takes part in the global allreduce's negotiation with bad input (the
+    default form), so that the other agents raise too instead of waiting for it."""
+    try:
+        return _flag(is_hierarchical_local, "is_hierarchical_local"), None
+    except TypeError as exc:
+        return False, exc
+
+
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
-    if _flag(is_hierarchical_local, "is_hierarchical_local"):
+    local, bad_flag = _local_flag(is_hierarchical_local)
+    if local:
         return _local_allreduce(name, tensor, average, False)
 
     def prepare():
+        if bad_flag is not None:
+            raise bad_flag
         avg = _flag(average, "average")
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
@@ -269,10 +282,13 @@ def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
 def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, name=None):
     """In place: the result is written into tensor."""
     name = _op_name(name, "ALLREDUCE")
-    if _flag(is_hierarchical_local, "is_hierarchical_local"):
+    local, bad_flag = _local_flag(is_hierarchical_local)
+    if local:
         return _local_allreduce(name, tensor, average, True)
 
     def prepare():
+        if bad_flag is not None:
+            raise bad_flag
         avg = _flag(average, "average")
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
@@ -399,6 +415,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         x = _numeric(_input(tensor, name), "neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
+        _fits_scaled(x, [scale for _, scale in plan], "neighbor_allreduce: dst_weights")
     except (TypeError, ValueError) as exc:
         sends, recvs, known = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(

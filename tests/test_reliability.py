@@ -167,6 +167,12 @@ def test_pair_gossip_and_neighbor_allreduce_under_one_name(cases):
     assert got[2] == got[3] == "NONE", got
 
 
+def test_integer_allreduce_with_average_differing_between_agents_raises_everywhere(cases):
+    """int8 sums in int64 to average, in int8 otherwise: MPI got two buffer types and
+    aborted the job."""
+    raised(cases, "collective.int_average_differs", "ValueError", "different average=", "rank 1: summed in int8")
+
+
 def test_allreduce_shape_or_dtype_differing_lists_every_agent(cases):
     raised(cases, "mismatch.allreduce.shape", "ValueError", "agents passed different tensors",
            "rank 0: float32[3], rank 1: float32[2]")
@@ -239,7 +245,8 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
             ("one_agent.allreduce_dtype", 1, "TypeError", "allreduce supports"),
             ("one_agent.broadcast_root", 2, "ValueError", "root_rank 4 is out of range"),
             ("one_agent.allgather_scalar", 3, "ValueError", "at least one dimension"),
-            ("one_agent.allreduce_expanded", 0, "ValueError", "elements share memory")):
+            ("one_agent.allreduce_expanded", 0, "ValueError", "elements share memory"),
+            ("one_agent.allreduce_local_flag", 2, "TypeError", "is_hierarchical_local")):
         raised(cases, case, exc, words, ranks=[bad])
         raised(cases, case, "ValueError", "failed on every agent because of bad input",
                f"rank {bad}: {exc}: ", words, ranks=[r for r in range(N) if r != bad])
@@ -253,6 +260,7 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("nar_unchecked", 3, "ValueError", "self_weight must be finite", [0]),
     ("nar_huge", 3, "ValueError", "self_weight must be finite, got a number beyond float's range", [0]),
     ("nar_numpy_ranks", 1, "TypeError", "dst_weights must be a dict", [2]),
+    ("nar_int_wraps", 3, "ValueError", "would wrap around", [0]),
     ("nag_static", 0, "ValueError", "at least one dimension", [1, 2]),
     ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),
     ("local_allreduce", 2, "TypeError", "allreduce supports", [0, 1, 3]),

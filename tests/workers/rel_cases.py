@@ -219,6 +219,11 @@ attempt("one_agent.allgather_scalar", lambda: bf.synchronize(bf.allgather_nonblo
     torch.ones(()) if RANK == 3 else torch.ones(1), name="one.ag")))
 attempt("one_agent.allreduce_expanded", bf.allreduce_,
         torch.ones(1).expand(4) if RANK == 0 else torch.ones(4), name="one.ar_")
+attempt("one_agent.allreduce_local_flag", bf.allreduce, X, is_hierarchical_local=None if RANK == 2 else False,
+        name="one.flag")
+# an int8 average is summed in int64, a sum in int8: MPI was given buffers of two types
+attempt("collective.int_average_differs", bf.allreduce, torch.ones(4, dtype=torch.int8), average=RANK != 1,
+        name="avg.differs")
 check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(data(RANK)), name="one.next"),
                                                 np.mean([data(r) for r in range(SIZE)], axis=0)))
 # bad arguments to a neighbor operation on one agent (Exp-2: r sends to r+1, r+2): it
@@ -252,6 +257,12 @@ ONE_AGENT_NEIGHBOR = (
     ("one_agent.gossip", lambda bad: bf.pair_gossip(
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, RANK ^ 1, name="one.gossip"),
      1, lambda: bf.pair_gossip(X, RANK ^ 1, name="one.gossip"), lambda xs: 0.5 * xs[RANK] + 0.5 * xs[RANK ^ 1]),
+    ("one_agent.nar_int_wraps", lambda bad: bf.neighbor_allreduce(      # int8 100 * 2 wraps around
+        torch.full((3, 4), 100, dtype=torch.int8), **dict(RING, dst_weights={(RANK + 1) % SIZE: 2.0 if bad == RANK
+                                                                             else 1.0}),
+        enable_topo_check=False, name="one.wrap"),
+     3, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.wrap"),
+     lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
     ("one_agent.local_allreduce", lambda bad: bf.allreduce(
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, is_hierarchical_local=True, name="one.local"),
      2, lambda: bf.allreduce(X, is_hierarchical_local=True, name="one.local"), lambda xs: np.mean(xs, axis=0)),

@@ -351,5 +351,22 @@ for h in list(eng._ops):
 bf.win_update("dropped")
 bf.barrier()
 bf.win_free("dropped")
+# -- an integer window's put weight that takes its values out of the dtype's range raises
+# before anything is sent (int8 100 * 2 arrived as 36); one that fits goes as before
+w8 = torch.full((3,), 100, dtype=torch.int8)
+bf.win_create(w8, "int8", zero_init=True)
+for weights in ({d: 2.0 for d in OUT}, {d: -1.5 for d in OUT}):
+    try:
+        bf.win_put(w8, "int8", dst_weights=weights)
+        raise AssertionError(f"rank {rank}: an int8 put scaled by {weights} was sent")
+    except ValueError as exc:
+        assert "would wrap around" in str(exc), exc
+bf.win_put(w8, "int8", dst_weights={d: 0.5 for d in OUT})
+bf.barrier()
+for s in IN:
+    got = bf.win_update("int8", self_weight=0.0, neighbor_weights={s: 1.0}, clone=True)
+    assert torch.equal(got, torch.full((3,), 50, dtype=torch.int8)), got
+bf.barrier()
+bf.win_free("int8")
 sys.stdout.write(f"AGENT OK {rank}\n")   # one write: PYTHONUNBUFFERED splits print
 bf.shutdown()
