@@ -445,4 +445,7 @@ def win_associated_p(name):
     win_accumulate send dst_weight * p and scale p by self_weight; win_update
     combines p with the same weights as the data."""
     _, win = _window(name, "win_associated_p")
-    return float(win.p[0])
+    with win.memory:
+        if win.p is None:       # (another thread's win_free has run: p was in its MPI memory)
+            raise ValueError(f"win_associated_p: window {name!r} is being freed (win_free)")
+        return float(win.p[0])

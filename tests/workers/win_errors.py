@@ -139,15 +139,18 @@ def user(kind):
                 bf.win_wait(bf.win_put_nonblocking(x, "raced"))
             elif kind == "update":
                 bf.win_update("raced")
-            else:
+            elif kind == "version":
                 bf.get_win_version("raced")
+            else:
+                bf.win_associated_p("raced")
         except Exception as e:      # what is raised is the point
             errors.append((kind, type(e).__name__, str(e)))
             return
-        time.sleep(0.001)
+        if kind != "p":     # (p without a pause: its read of freed memory was a bare TypeError)
+            time.sleep(0.001)
 
 
-users = [threading.Thread(target=user, args=(k,)) for k in ("put", "update", "version")]
+users = [threading.Thread(target=user, args=(k,)) for k in ("put", "update", "version", "p")]
 for t in users:
     t.start()
 time.sleep(0.2)
@@ -156,8 +159,9 @@ bf.win_free("raced")
 for t in users:
     t.join()
 expected = ("window 'raced' was freed (win_free) before this operation on it ran", "no window named 'raced'",
-            "get_win_version: window 'raced' is being freed (win_free)")
-assert len(errors) == 3 and all(exc == "ValueError" and any(w in text for w in expected)
+            "get_win_version: window 'raced' is being freed (win_free)",
+            "win_associated_p: window 'raced' is being freed (win_free)")
+assert len(errors) == 4 and all(exc == "ValueError" and any(w in text for w in expected)
                                 for _, exc, text in errors), errors
 
 # -- shutdown frees the windows that are left --------------------------------------------------------
