@@ -96,7 +96,7 @@ def _fits_scaled(t, weights, what):
     wrap around (int8 100 * 2 arrived as 36)."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or not t.numel():
         return
-    weights = [w for w in weights if w is not None and w != 1.0]
+    weights = [w for w in weights if w is not None and not 0.0 <= w <= 1.0]      # (those keep the values in)
     if not weights:
         return
     lo, hi = t.min().item(), t.max().item()

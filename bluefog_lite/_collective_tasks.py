@@ -54,8 +54,8 @@ def allreduce(eng, op, x, average, target):
     if len({v[1] for v in views}) != 1:
         # (MPI would be given buffers of different types: it aborted the job)
         listing = ", ".join(f"rank {r}: summed in {v[1]}" for r, v in enumerate(views))
-        raise ValueError(f"{op.kind} {op.name!r}: agents passed different average= for a {dtype_name(dtype)} "
-                         f"tensor ({listing}); an average of narrow integers is summed in int64, a sum in the "
+        raise ValueError(f"{op.kind} {op.name!r}: agents passed different average= for {dtype_name(dtype)} "
+                         f"tensors ({listing}); an average of narrow integers is summed in int64, a sum in the "
                          "tensor's dtype: pass the same average on every agent")
     yield from copied(op)
     with _phase(op.name, "ALLOCATE_OUTPUT"):

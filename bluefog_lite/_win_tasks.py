@@ -110,7 +110,7 @@ class Window:
         self.win = None
         self.held = {}          # rank -> hold count of its mutex (communication thread only)
         self.handles = {}       # k -> handle of this window's unsynchronized op named name#k (caller side)
-        self.free_numbers = []  # heap of the k < len(handles) free again (windows._submit)
+        self.free_numbers = []  # heap of the numbers k given back, below the largest given (windows._submit)
         # held while a caller names and enqueues an op (re-entrant: see Engine._lock)
         self.submitting = threading.RLock()
         self.mutex_blocks = 0   # win_mutex with-blocks of this agent now inside (caller side)
@@ -361,7 +361,7 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     try:
         if user_tensor is not None:
             x = plain(x)
-        if win.nbytes:      # (an integer window: checked before anything is sent)
+        if win.nbytes:      # (checked before anything is sent; only integer windows can wrap around)
             _fits_scaled(x, [*dst_weights.values(), self_weight], f"{op.kind.lower()} into window {win.name!r}")
         with _phase(op.name, "COMMUNICATE"):
             p_self, keep = float(win.p[0]), []

@@ -455,9 +455,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         whether or not step() follows (a gradient scaler skips it when gradients
         overflow), the next pass starts the next one. Nothing started since the last
         synchronize() (step() after it without skip_synchronize()) or step() (no
-        pass, gradient or zero_grad() since): does nothing, as in Bluefog. (It began
-        a round of its own: ATC stepped again with the last gradient, and an agent
-        calling it alone, say before saving a checkpoint, went a round out of step.)"""
+        pass, gradient or zero_grad() since): does nothing, as in Bluefog (but for the
+        gradient-allreduce wrapper). (It began a round of its own: ATC stepped again
+        with the last gradient, and an agent calling it alone, say before saving a
+        checkpoint, went a round out of step.)"""
         if not self._stepped:
             self._synchronize()
 
@@ -997,6 +998,12 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                                   self._param_of)   # (frozen ones too: zeros, as in Bluefog)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+
+    def synchronize(self):
+        """Average every gradient not yet averaged and install the averages. After
+        step() too, as in Bluefog: gradients set by hand (p.grad = ..., from
+        torch.autograd.grad or torch.func) start no hook, so no pass is seen."""
+        self._synchronize()
 
     def _grad_hook(self, name):
         def hook(p):

@@ -91,6 +91,17 @@ for step in range(3):
                               dst_weights=send, name="nar.dynamic")
     check(f"dynamic step {step}", y, 0.5 * data(rank) + sum(0.5 * data(r) for r in recv))
 
+# -- an integer device tensor scaled by its sender: the range check reads the device tensor (the
+# host copy may not have landed yet: with the slow stand-in it holds garbage until then) ---------
+ring = dict(self_weight=0.5, src_weights={(rank - 1) % size: 0.25}, enable_topo_check=False)
+for value, weight, name in ((100, 2.0, "nar.int.wraps"), (10, 2.0, "nar.int.fits")):
+    xi = to_device(torch.full((4,), value, dtype=torch.int8))
+    try:
+        y = bf.neighbor_allreduce(xi, dst_weights={(rank + 1) % size: weight}, name=name, **ring)
+        check(name, y, np.full(4, 0.5 * value + 0.25 * weight * value))
+    except ValueError as exc:
+        assert value == 100 and "would wrap around" in str(exc), (name, exc)
+
 # -- a transposed (non-contiguous) device tensor, one that requires grad, float64 -------------
 xt = dev(rank, (3, 5)).t()
 assert not xt.is_contiguous()

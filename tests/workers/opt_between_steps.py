@@ -1,7 +1,7 @@
 """Calls on a wrapper between its steps (4 agents):
 
-1. synchronize() right after step(), on rank 0 alone (as before saving a checkpoint),
-   changes nothing: for every wrapper the parameters stay as they are at that call and
+1. synchronize() right after step(), on rank 0 alone (as before saving a checkpoint;
+   on every agent for the gradient-allreduce wrapper, which averages again), changes nothing: for every wrapper the parameters stay as they are at that call and
    (but for WinPut, whose combine takes what has landed) the run ends bitwise where the
    same run without those calls ends. (It began a round of its own: ATC stepped again with the last gradient, AWC averaged once more, and
    rank 0 went a round out of step with the others.)
@@ -13,21 +13,13 @@
 import torch
 
 import bluefog_lite as bf
+from _mlp import data, make
 
 bf.init()
 rank, size = bf.rank(), bf.size()
 LR, STEPS = 0.1, 3
 WRAPPERS = {"awc": bf.DistributedAdaptWithCombineOptimizer, "atc": bf.DistributedAdaptThenCombineOptimizer,
             "gar": bf.DistributedGradientAllreduceOptimizer, "winput": bf.DistributedWinPutOptimizer}
-
-
-def data(r, s):
-    return torch.randn(4, 5, generator=torch.Generator().manual_seed(r * 1000 + s))
-
-
-def make():
-    torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
 def flat(model):
@@ -42,7 +34,8 @@ def train(kind, extra_sync):
         opt.zero_grad()
         model(data(rank, s)).pow(2).mean().backward()
         opt.step()
-        if extra_sync and rank == 0:
+        # (the gradient-allreduce wrapper averages again, as in Bluefog: every agent calls it)
+        if extra_sync and (rank == 0 or kind == "gar"):
             before = flat(model)
             opt.synchronize()
             assert torch.equal(flat(model), before), f"{kind}: synchronize() after step() changed the model"
@@ -56,6 +49,22 @@ for kind in WRAPPERS:
     with_calls, without = train(kind, True), train(kind, False)
     # (WinPut combines what has landed so far: two runs need not be equal)
     assert kind == "winput" or torch.equal(with_calls, without), f"rank {rank}: {kind} went out of step"
+
+# gradient allreduce with gradients set by hand (no hook sees them): synchronize() after
+# step() averages them every time, as in Bluefog
+model = torch.nn.Linear(2, 1, bias=False)
+with torch.no_grad():
+    model.weight.zero_()
+opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, name_prefix="hand.")
+mean = (size + 1) / 2
+for it in range(3):
+    model.weight.grad = torch.full_like(model.weight, float(rank + 1))
+    opt.synchronize()
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, mean)), (it, model.weight.grad)
+    with opt.skip_synchronize():
+        opt.step()
+    assert torch.equal(model.weight.detach(), torch.full_like(model.weight, -mean * (it + 1))), it
+opt.remove_hooks()
 
 # 2.
 model = make()

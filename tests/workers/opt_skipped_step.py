@@ -15,20 +15,12 @@ import torch
 
 import bluefog_lite as bf
 import topology
+from _mlp import data, make
 
 bf.init()
 rank, size = bf.rank(), bf.size()
 W = topology.mixing_matrix(bf.load_topology())      # W[j, i]: the weight of edge j -> i (j's for agent i)
 STEPS, SKIPPED_STEP, LR = 4, 1, 0.1
-
-
-def data(r, s):
-    return torch.randn(4, 5, generator=torch.Generator().manual_seed(r * 1000 + s))
-
-
-def make():
-    torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
 def flat(model):
