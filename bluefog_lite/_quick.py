@@ -85,13 +85,13 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
         # would leave the name's rounds out of step (the next call takes this one's input)
         plain = None
         packets = []
-        with np.errstate(all="ignore"):     # (see _average)
-            for dst, scale in send_plan:
-                if scale is None:
-                    if plain is None:
-                        plain = s.small_packet(name, meta, xa)
-                    packets.append((dst, plain))
-                else:
+        for dst, scale in send_plan:
+            if scale is None:
+                if plain is None:
+                    plain = s.small_packet(name, meta, xa)
+                packets.append((dst, plain))
+            else:
+                with np.errstate(all="ignore"):     # (see _average)
                     packets.append((dst, s.small_packet(name, meta, xa * scale)))
         ring = eng.doorbell.ring
         for dst, packet in packets:

@@ -361,8 +361,8 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     try:
         if user_tensor is not None:
             x = plain(x)
-        if win.nbytes:      # (checked before anything is sent; only integer windows can wrap around)
-            _fits_scaled(x, [*dst_weights.values(), self_weight], f"{op.kind.lower()} into window {win.name!r}")
+        # (before anything is sent; only integer windows can wrap around)
+        _fits_scaled(x, [*dst_weights.values(), self_weight], f"{op.kind.lower()} into window {win.name!r}")
         with _phase(op.name, "COMMUNICATE"):
             p_self, keep = float(win.p[0]), []
             if win.nbytes and x.dtype != win.stored:

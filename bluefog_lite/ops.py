@@ -415,9 +415,10 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         x = _numeric(_input(tensor, name), "neighbor_allreduce")
         sw, srcw, plan, recv_from, dynamic = _plan(self_weight, src_weights, dst_weights, st.topology,
                                                    st.size, st.rank, "neighbor_allreduce")
-        # (a device tensor's host copy x may not have landed yet: its values are read on the device)
-        _fits_scaled(tensor.detach() if _devices.on_device(tensor) else x, [scale for _, scale in plan],
-                     "neighbor_allreduce: dst_weights")
+        if not x.is_floating_point():     # (only integers can wrap around: one test on the hot path)
+            # a device tensor's host copy x may not have landed yet: its values are read on the device
+            _fits_scaled(tensor.detach() if _devices.on_device(tensor) else x, [scale for _, scale in plan],
+                         "neighbor_allreduce: dst_weights")
     except (TypeError, ValueError) as exc:
         sends, recvs, known = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(
