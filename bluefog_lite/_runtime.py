@@ -470,10 +470,17 @@ def _validate_graph(G, n, what, is_weighted=False, unit="agent"):
         raise ValueError(f"{what} must have nodes 0..{n - 1} (one per {unit}), got {_topo_checks.nodes_shown(G)}")
     if is_weighted:
         for i, j, w in G.edges(data="weight", default=1.0):
-            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not _finite(w):
                 raise ValueError(f"{what}: edge {i} -> {j} has weight {w!r}; with is_weighted=True "
                                  "every edge weight must be a finite number")
     return G if G.is_directed() else G.to_directed()
+
+
+def _finite(w):
+    try:
+        return math.isfinite(w)
+    except OverflowError:       # an integer too large for a float
+        return False
 
 
 class _Topology:
@@ -510,13 +517,23 @@ def _install_machine_topology(G, is_weighted):
     _state.machine_topology = _Topology(G, _state.machine_rank, bool(is_weighted))
 
 
+def _edges(G):
+    """The edge list as text; labels as Python ints (numpy 2 shows np.int64(0) otherwise)."""
+    return repr(sorted((int(i), int(j)) for i, j in G.edges())).encode()
+
+
 def _fingerprint(G, is_weighted):
     """What agents must agree on: is_weighted, the edges and the weights of a
     weighted graph."""
-    edges = repr(sorted(G.edges())).encode()
     if is_weighted:     # the edges too: an edge of weight 0 still makes a neighbor
-        return True, np.round(_topo.mixing_matrix(G), 12).tobytes() + edges
-    return False, edges
+        return True, np.round(_topo.mixing_matrix(G), 12).tobytes() + _edges(G)
+    return False, _edges(G)
+
+
+def _identity(G, is_weighted):
+    """What makes a graph the one in use: the fingerprint and, for an unweighted
+    graph too, the weights (load_topology() hands them out; Bluefog compared them)."""
+    return _fingerprint(G, True), bool(is_weighted)
 
 
 def _same_everywhere(call, fingerprints, graphs_differ):
@@ -537,7 +554,7 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
     (the specification's); none: the Exponential-2 graph."""
     st = state()
     busy = bool(st.windows) or st.engine.has_pending()
-    in_use = _fingerprint(st.topology.graph, st.topology.is_weighted)
+    in_use = _identity(st.topology.graph, st.topology.is_weighted)
 
     def validated():
         _check_is_weighted(is_weighted)
@@ -546,17 +563,17 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         given = topology if G is None else G
         graph = (_topo.ExponentialGraph(st.size) if given is None
                  else _validate_graph(given, st.size, "topology", is_weighted))
-        fingerprint = _fingerprint(graph, is_weighted)
-        return graph, (busy and fingerprint != in_use, fingerprint)
+        changed = _identity(graph, is_weighted) != in_use
+        return (graph, changed), (busy and changed, _fingerprint(graph, is_weighted))
     from .ops import _negotiate
-    graph, views = _negotiate("set_topology", validated)
+    (graph, changed), views = _negotiate("set_topology", validated)
     if any(b for b, _ in views):
         warnings.warn("set_topology refused: windows exist or operations are in flight "
                       "(free windows with win_free() and synchronize handles first)")
         return False
     _same_everywhere("set_topology", [fp for _, fp in views],
                      "agents passed different graphs; every agent must set the same topology")
-    if views[0][1] != in_use:
+    if changed:
         _install_topology(graph, is_weighted)
     return True
 

@@ -116,6 +116,14 @@ def test_a_weight_that_is_not_a_number_is_named(bad):
             read(G)
 
 
+def test_an_integer_weight_too_large_for_a_float_is_named():
+    G = nx.DiGraph([(0, 1, {"weight": 0.5}), (1, 0, {"weight": 10 ** 400})])
+    for read in (topology.mixing_matrix, lambda g: topology.GetRecvWeights(g, 0),
+                 lambda g: topology.GetSendWeights(g, 1)):
+        with pytest.raises(ValueError, match=r"edge 1 -> 0 has weight 1000.*too large for a float"):
+            read(G)
+
+
 def test_multigraphs_are_refused():
     with pytest.raises(ValueError, match="not a multigraph"):
         topology.mixing_matrix(nx.MultiDiGraph([(0, 1), (0, 1), (1, 0)]))

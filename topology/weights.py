@@ -33,7 +33,10 @@ def _as_weight(weight, src, dst) -> float:
     """An edge's weight as a float; ValueError naming the edge if it is not a real number."""
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         raise ValueError(f"edge {src} -> {dst} has weight {weight!r}; an edge weight must be a real number")
-    return float(weight)
+    try:
+        return float(weight)
+    except OverflowError:
+        raise ValueError(f"edge {src} -> {dst} has weight {weight!r}, too large for a float") from None
 
 
 def mixing_matrix(topo: nx.DiGraph) -> np.ndarray:

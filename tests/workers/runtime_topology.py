@@ -1,5 +1,6 @@
 """set_topology / load_topology / neighbor queries and their errors; machine queries."""
 import networkx as nx
+import numpy as np
 import torch
 
 import bluefog_lite as bf
@@ -42,6 +43,28 @@ assert topo.IsTopologyEquivalent(bf.load_topology(), topo.RingGraph(size))   # u
 # an undirected networkx graph is read as both directions
 assert bf.set_topology(nx.cycle_graph(size))
 assert bf.out_neighbor_ranks() == sorted({(rank - 1) % size, (rank + 1) % size})
+# the edges in use with other weights: installed (load_topology() hands the weights out;
+# Bluefog compared them), also unweighted, which still averages uniformly
+G = nx.cycle_graph(size).to_directed()
+G.add_edges_from((i, i) for i in range(size))
+nx.set_edge_attributes(G, {e: 0.5 if e[0] == e[1] else 0.25 for e in G.edges}, "weight")
+assert bf.set_topology(G)
+assert bf.load_topology() is G and topo.GetRecvWeights(bf.load_topology(), rank)[0] == 0.5
+assert torch.allclose(bf.neighbor_allreduce(torch.full((2,), float(rank))),
+                      torch.full((2,), (rank + (rank - 1) % size + (rank + 1) % size) / 3))
+# numpy integer labels are the same graph as Python ints (numpy 2 prints them differently)
+H = nx.relabel_nodes(topo.RingGraph(size), {i: np.int64(i) for i in range(size)}) if rank == 0 \
+    else topo.RingGraph(size)
+assert bf.set_topology(H) and bf.in_neighbor_ranks() == sorted({(rank - 1) % size, (rank + 1) % size})
+# an integer weight too large for a float, on one agent: every agent raises
+H = topo.RingGraph(size)
+if rank == 1:
+    H.edges[1, 1]["weight"] = 10 ** 400
+try:
+    bf.set_topology(H, is_weighted=True)
+    raise AssertionError("a weight of 10**400 was accepted")
+except ValueError as e:
+    assert "finite" in str(e) or "rank 1" in str(e), str(e)
 # refused while an operation is in flight on some agent: rank 0 waits for rank 1,
 # which sends only after set_topology
 if rank == 0:
