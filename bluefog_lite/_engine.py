@@ -109,7 +109,7 @@ class Op:
     __slots__ = ("handle", "name", "kind", "task", "wait", "waiting_since", "warned",
                  "data_requests", "result", "error", "_pending", "finished_task", "coll_seq",
                  "collective", "caller_tid", "fuse", "riders", "inline", "reserved", "deliver", "ready",
-                 "completed", "at_shutdown", "done", "freed")
+                 "completed", "at_shutdown", "done", "freed", "abandoned")
 
     def __init__(self, handle, name, kind, task, fuse=None):
         self.handle, self.name, self.kind, self.task = handle, name, kind, task
@@ -135,6 +135,7 @@ class Op:
         self.completed = False     # _finish does not complete it: see complete_early, split_group
         self.at_shutdown = False   # shutdown's win_free: no op timeout; see _departures.py
         self.freed = None      # called once its handle is synchronized (see submit)
+        self.abandoned = False     # its blocking call was interrupted: see synchronize_owned
 
     def is_done(self):
         return self.done
@@ -278,6 +279,31 @@ class Engine(CallerDrive, StallInspector):
 
     def poll(self, handle):
         return self._lookup(handle).is_done()
+
+    def synchronize_owned(self, handle):
+        """synchronize for a blocking call, the only holder of handle: if it is
+        interrupted (a KeyboardInterrupt from a signal handler, caught by the program),
+        the operation is abandoned: its result dropped and its name freed once it is
+        done (else the name stayed "in flight" for good, with no handle to end it)."""
+        try:
+            return self.synchronize(handle)
+        except BaseException:
+            op = self._ops.get(handle)
+            if op is not None:          # (else synchronized: its own error)
+                op.abandoned = True     # (set before done is read; _flush sets done before reading it)
+                if op.done:
+                    self._forget(op)
+            raise
+
+    def _forget(self, op):
+        """Drop a done op that nobody will synchronize (once, whoever comes first)."""
+        with self._lock:
+            if self._ops.pop(op.handle, None) is None:
+                return
+            if op.reserved:
+                self._names.discard(op.name)
+        if op.freed is not None:
+            op.freed()
 
     def synchronize(self, handle):
         op = self._lookup(handle)
@@ -555,10 +581,12 @@ class Engine(CallerDrive, StallInspector):
             recording = tl.current is not None
             for op in done:
                 if recording:
-                    tl.end(op.name)
+                    tl.end(op.name, None, "MPI_" + op.kind)    # (a window may share the name)
                     # before set_done(): the caller may resubmit the name as soon as it wakes
                     tl.end(op.name, op.caller_tid, "ENQUEUE_" + op.kind)
                 op.set_done()
+                if op.abandoned:
+                    self._forget(op)
         return sent
 
     def ring_peers(self):

@@ -115,7 +115,7 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
     finally:
         if held:
             eng.release_hold(name)
-    return eng.synchronize(handle)
+    return eng.synchronize_owned(handle)
 
 
 def _arrays(eng, name, meta, head, xa, recv_from, window):
@@ -213,7 +213,7 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
     finally:
         if held:
             eng.release_hold(name)
-    return eng.synchronize(handle)
+    return eng.synchronize_owned(handle)
 
 
 def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):

@@ -331,12 +331,13 @@ def _shutdown():
     while _state.shutdown_steps < len(steps):
         steps[_state.shutdown_steps]()
         _state.shutdown_steps += 1
-    _state.engine = None
-    _state.departures = None
-    _state.comm.Free()
-    _state.comm = None
+    # Calls on other threads that passed state() before this may still read the
+    # engine and the departures: they are kept (stopped: the engine refuses new
+    # operations) until the next init() replaces them
     _state.initialized = False
     _state.shut_down = True
+    _state.comm.Free()
+    _state.comm = None
     _state.shutdown_steps = 0
     sys.excepthook, threading.excepthook = _state.hooks_before
 

@@ -43,7 +43,9 @@ def _op_name(name, kind):
 
 
 def check_name(name, what="name", fix="choose another name"):
-    """name, if a user may give it to an operation (else TypeError/ValueError)."""
+    """name as a plain str, if a user may give it to an operation (else
+    TypeError/ValueError). A str subclass (numpy.str_) becomes a str: the timeline
+    and the stall inspector tell one name from a sequence of them by its class."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what} must be a non-empty string, got {name!r}")
     if name in RESERVED_NAMES:
@@ -51,7 +53,7 @@ def check_name(name, what="name", fix="choose another name"):
     if ".noname." in name and GENERATED_NAME.fullmatch(name):
         raise ValueError(f"{what} {name!r} has the form '<operation>.noname.<n>', reserved for the names "
                          f"given to calls without one; {fix}")
-    return name
+    return str.__str__(name)
 
 
 def _submit(kind, name, make_task, fuse=None, deliver=None):
@@ -98,7 +100,7 @@ def _blocking(nonblocking, *args, **kwargs):
         handle = nonblocking(*args, **kwargs)
     finally:
         _caller.blocking = False
-    return synchronize(handle)
+    return state().engine.synchronize_owned(handle)
 
 
 # ---- handles ---------------------------------------------------------------------

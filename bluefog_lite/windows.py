@@ -174,6 +174,11 @@ def win_wait(handle):
     return state().engine.synchronize(handle)
 
 
+def _wait_owned(handle):
+    """win_wait for a blocking form (see Engine.synchronize_owned)."""
+    return state().engine.synchronize_owned(handle)
+
+
 # ---- create / free -------------------------------------------------------------------
 
 def win_create(tensor, name, zero_init=False):
@@ -187,6 +192,8 @@ def win_create(tensor, name, zero_init=False):
     st = state()
     eng = st.engine
     problem = _create_problem(tensor, name, st, zero_init)
+    if problem is None:
+        name = str.__str__(name)    # (a str subclass: see ops.check_name)
     win = meta = None
     if problem is None:
         on_device = _devices.on_device(tensor)
@@ -315,7 +322,7 @@ def win_put_nonblocking(tensor, name, self_weight=None, dst_weights=None, requir
 
 
 def win_put(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
-    return win_wait(_put("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex, True))
+    return _wait_owned(_put("WIN_PUT", tensor, name, self_weight, dst_weights, require_mutex, True))
 
 
 def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
@@ -324,7 +331,7 @@ def win_accumulate_nonblocking(tensor, name, self_weight=None, dst_weights=None,
 
 
 def win_accumulate(tensor, name, self_weight=None, dst_weights=None, require_mutex=False):
-    return win_wait(_put("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex, True))
+    return _wait_owned(_put("WIN_ACCUMULATE", tensor, name, self_weight, dst_weights, require_mutex, True))
 
 
 def win_get_nonblocking(name, src_weights=None, require_mutex=False):
@@ -350,7 +357,7 @@ def _get(name, src_weights, require_mutex, blocking):
 
 
 def win_get(name, src_weights=None, require_mutex=False):
-    return win_wait(_get(name, src_weights, require_mutex, True))
+    return _wait_owned(_get(name, src_weights, require_mutex, True))
 
 
 # ---- update ---------------------------------------------------------------------------
@@ -378,7 +385,7 @@ def win_update(name, self_weight=None, neighbor_weights=None, reset=False, clone
         current = _current(win, op_name)
         return (lambda eng, op: _win_tasks.update(eng, op, win, sw, nbw, *flags, with_p, current),
                 _written_back(win, flags[1], op_name))
-    return win_wait(_submit(win, "WIN_UPDATE", prepare, True))
+    return _wait_owned(_submit(win, "WIN_UPDATE", prepare, True))
 
 
 def win_update_then_collect(name, require_mutex=True):
@@ -407,14 +414,14 @@ def win_mutex(name, for_self=False, ranks=None):
         if for_self:
             targets.append(st.rank)
     targets = sorted(set(targets))
-    win_wait(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets)),
+    _wait_owned(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets)),
                      True))
     win.mutex_blocks += 1
     try:
         yield
     finally:
         win.mutex_blocks -= 1
-        win_wait(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets)),
+        _wait_owned(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets)),
                          True))
 
 

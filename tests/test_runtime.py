@@ -179,6 +179,13 @@ def test_an_operation_interrupted_in_synchronize_stays_done():
     assert "INTERRUPTED" in out, "the KeyboardInterrupt did not reach synchronize: the test tested nothing"
 
 
+def test_an_interrupted_blocking_call_frees_its_name_once_done():
+    """Ctrl-C caught around a blocking call (tests/workers/runtime_interrupted_blocking.py):
+    the operation whose only handle the call held frees its name when it is done."""
+    _, out = run_agents(4, "runtime_interrupted_blocking.py", timeout=90, env={"BLUEFOG_CALLER_PROGRESS": "0"})
+    assert "INTERRUPTED" in out
+
+
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
 
