@@ -204,11 +204,13 @@ class _PassForwardBegin(CopiedInert):
         self.state = state
 
     def __call__(self, module, args):
-        if _recorder.current is None:
+        rec = _recorder.current
+        if rec is None:
             self.state.forward = 0
         else:
             self.state.forward = _now_ns()
-            self.state.thread = _ident()
+            self.state.thread = me = _ident()
+            rec.know_thread(me)     # (a thread whose only events are FORWARD/BACKWARD keeps its name)
             _forwards.add(self.state)
 
 
@@ -231,6 +233,9 @@ class _PassForwardEnd(CopiedInert):
 
     def _backward_starts(self, grad_outputs):
         self.state.last = _now_ns()
+        rec = _recorder.current
+        if rec is not None:
+            rec.know_thread(_ident())
         self.state.begun.clear()
 
     def __call__(self, module, args, output):

@@ -1,7 +1,8 @@
-"""The timeline writer and control, in one process (no MPI job): nesting repair,
-escaping, crash-safe partial files, environment validation."""
+"""The timeline writer and control, in one process (no MPI job but one of a single
+agent): nesting repair, escaping, crash-safe partial files, environment validation."""
 import json
 import os
+import re
 import threading
 import time
 
@@ -9,7 +10,8 @@ import pytest
 
 from bluefog_lite.timeline import _api, _control, _recorder
 from bluefog_lite.timeline._reader import iter_events, read_events, read_spans
-from bluefog_lite.timeline._writer import Writer
+from bluefog_lite.timeline._writer import PAGE, Writer
+from mpi_helpers import run_agents
 
 META = {"rank": 0}
 
@@ -234,3 +236,120 @@ def test_step_window_variables_are_validated(monkeypatch, start, end, message):
     monkeypatch.setenv("BLUEFOG_TIMELINE_END_STEP", end)
     with pytest.raises(ValueError, match=message):
         _control._window_from_environment()
+
+
+def _chrome_repair(text):
+    """What a trace viewer does with an unterminated array: drop the newlines at the
+    end, then a comma, then close the array."""
+    return re.sub(r"\s*,$", "", re.sub(r"[\r\n]*$", "", text)) + "]"
+
+
+def test_a_write_cut_at_any_page_boundary_leaves_whole_lines(tmp_path):
+    """A kill -9 can cut a large write short at a page boundary of the file (the
+    kernel copies page by page): every page must end with a line's end, so that the
+    file cut there loads; only a line longer than a page may cross one."""
+    rec = _recorder.Recorder()
+    path = tmp_path / "t0.json"
+    w = Writer(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), str(path), rec, META, {})
+    w.start()
+    for burst in range(30):      # flushes of every size, at every offset
+        for k in range(burst * 37 % 400):
+            rec.begin(f"row{k % 7}", "A" * (k % 90 + 1), 1)
+            rec.end(f"row{k % 7}", 1)
+        if burst == 11:
+            rec.instant("long", "L" * (2 * PAGE), 1)
+        time.sleep(0.06)
+    w.close(time.perf_counter_ns())
+    data = path.read_bytes()
+    assert len(data) > 20 * PAGE
+    crossing = 0
+    for b in range(PAGE, len(data), PAGE):
+        if data[b - 1] != ord("\n"):
+            start, end = data.rfind(b"\n", 0, b), data.find(b"\n", b)
+            assert end - start > PAGE, f"a line of {end - start} bytes crosses offset {b}"
+            crossing += 1
+            continue
+        cut = data[:b].decode()
+        assert json.loads(_chrome_repair(cut)) == json.loads(cut.rstrip().rstrip(",") + "]")
+    assert 1 <= crossing <= 3     # the long line only
+    assert len(json.load(open(path))) > 3000
+
+
+def test_a_failed_write_is_cut_back_to_whole_lines_and_a_first_write_failing_is_refused(tmp_path):
+    """A full disk (here a file size limit) in the middle of a write: the file ends
+    with its last whole line (it loads), the job goes on; a file that cannot take its
+    first lines is refused at timeline_start (it would only have dropped events)."""
+    _, out = run_agents(1, "tl_disk_full.py", str(tmp_path / "tl"), timeout=60)
+    assert "timeline writing to" in out and "failed" in out, out
+    data = (tmp_path / "tl0.json").read_bytes()
+    assert 0 < len(data) <= 20000 and data.endswith(b",\n"), data[-200:]
+    events = json.loads(_chrome_repair(data.decode()))
+    assert events[0]["name"] == "bluefog_metadata" and len(events) > 50
+
+
+def test_a_timeline_context_entered_again_or_on_two_threads_ends_each_span():
+    rec = _recorder.Recorder()
+    _recorder.current = rec
+    try:
+        span = _api.timeline_context("ctx", "BLOCK")
+        with span:
+            with span:         # the same object inside its own block
+                pass
+            inner_end = time.perf_counter_ns()
+        gate_a, gate_b = threading.Event(), threading.Event()
+
+        def a():
+            with span:
+                gate_b.set()
+                gate_a.wait(5)
+
+        def b():
+            gate_b.wait(5)
+            with span:
+                gate_a.set()
+                time.sleep(0.05)
+        threads = [threading.Thread(target=f) for f in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _recorder.current = None
+    events = [e for e in rec.events if e[0] != "T"]      # (the threads' names)
+    assert [e[0] for e in events] == ["S", "S", "E", "E", "S", "S", "E", "E"]
+    assert events[3][1] >= inner_end
+    by_thread = {}
+    for ph, t, name, activity, tid in events[4:]:
+        by_thread.setdefault(tid, []).append((ph, t))
+    assert len(by_thread) == 2 and all([p for p, _ in v] == ["S", "E"] for v in by_thread.values())
+    (a_begin, a_end), (b_begin, b_end) = sorted((v[0][1], v[1][1]) for v in by_thread.values())
+    assert a_end < b_end - 30e6, "thread a's end was recorded on thread b's span"
+
+
+def test_a_thread_ident_reused_by_a_new_thread_gets_a_row_of_its_own(tmp_path):
+    """Python reuses the ident of a thread that ended; the recorder's "T" event
+    (Recorder.know_thread) makes the writer start new rows named after the new thread,
+    and the old thread's span still open is ended at the stop."""
+    events, _ = write(tmp_path, [("B", 1000, "r", "OLD", 5), ("T", 2000, None, "second", 5),
+                                 ("B", 3000, "r", "NEW", 5), ("E", 4000, "r", "NEW", 5)], names={5: "first"})
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    got = sorted((rows[(s.pid, s.tid)], s.name, s.begin, s.end) for s in read_spans(events))
+    assert got == [("first", "OLD", 1.0, 10000.0), ("second", "NEW", 3.0, 4.0)]
+
+
+def test_know_thread_tells_a_reused_ident_apart():
+    """Each new thread's first know_thread sends its name ("T"), also when it got
+    the ident of a thread that ended (CPython on Linux usually gives it)."""
+    rec = _recorder.Recorder()
+    idents = []
+
+    def run():
+        idents.append(threading.get_ident())
+        rec.know_thread(idents[-1])
+        rec.know_thread(idents[-1])      # (the same thread again: nothing new)
+    for k in range(20):
+        t = threading.Thread(target=run, name=f"t{k}")
+        t.start()
+        t.join()
+    assert [(e[0], e[3], e[4]) for e in rec.events] == [("T", f"t{k}", i) for k, i in enumerate(idents)]
+    assert rec.thread_names[idents[-1]] == "t19"

@@ -64,27 +64,35 @@ class timeline_context:
     ``as`` gives True when the span is being recorded. As a decorator
     (``@timeline_context(name, activity)``, as Bluefog's contextmanager allowed)
     it records every call of the function."""
-    __slots__ = ("tensor_name", "activity_name", "_rec", "_tid")
+    __slots__ = ("tensor_name", "activity_name", "_open")
 
     def __init__(self, tensor_name, activity_name):
         _check(tensor_name, "tensor_name")
         _check_activity(activity_name)
         self.tensor_name, self.activity_name = tensor_name, activity_name
-        self._rec = None
+        # thread ident -> the recorders of this object's blocks open on that thread,
+        # innermost last (None: the timeline was off): one object may be entered again
+        # inside its own block, or on several threads at once (a module-level span)
+        self._open = {}
 
     def __enter__(self):
-        rec = self._rec = _recorder.current
+        tid = threading.get_ident()
+        rec = _recorder.current
+        self._open.setdefault(tid, []).append(rec)    # (each thread touches only its own list)
         if rec is None:
             return False
-        self._tid = threading.get_ident()
-        rec.know_thread(self._tid)
-        rec.begin_scoped(self.tensor_name, self.activity_name, self._tid)
+        rec.know_thread(tid)
+        rec.begin_scoped(self.tensor_name, self.activity_name, tid)
         return True
 
     def __exit__(self, *exc):
-        rec, self._rec = self._rec, None
+        tid = threading.get_ident()
+        stack = self._open[tid]
+        rec = stack.pop()
+        if not stack:
+            del self._open[tid]
         if rec is not None:
-            rec.end(self.tensor_name, self._tid, self.activity_name)
+            rec.end(self.tensor_name, tid, self.activity_name)
         return False
 
     def __call__(self, fn):

@@ -89,6 +89,8 @@ class _Session:
         self.identity = os.fstat(fd)[1:3]  # (inode, device): the file, however its path is written
 
     def record(self):
+        if self.writer.failed is not None:     # (it said so on stderr; recording would only be dropped)
+            return
         self.writer.start()
         self.recording = True
         _recorder.current = self.recorder
@@ -167,17 +169,15 @@ def measure_clock(st):
 def start_from_environment():
     """Called at the end of init(), after measure_clock: opens PREFIX<rank>.json
     when BLUEFOG_TIMELINE is set."""
-    global _session, _steps
+    global _steps
     start, end = _window_from_environment()     # (bad values refused even with no timeline)
     prefix = os.environ.get("BLUEFOG_TIMELINE", "")
     if not prefix:
         return
     from .._runtime import state
     st = state()
-    fd = _open_for_writing(timeline_path(prefix, st.rank))
-    _close_session()
+    _switch(prefix, st, _FROM_ENV, start, end)
     _steps = 0
-    _session = _Session(prefix, st, start, end, fd)
     if start > 0 or end is not None:
         _count_torch_steps()
         _session.counts_torch_steps = True
@@ -259,16 +259,10 @@ def timeline_start(prefix, mark_cycles=False):
 
     A timeline already open on this agent is finished first. The clock offset in
     the file's metadata is the one measured at init."""
-    global _session
     _check_prefix(prefix)
     from .._runtime import state
     st = state()
-    path = timeline_path(prefix, st.rank)
-    if _session is not None and _session.is_file(path):
-        _close_session()    # the open file itself: finished before it is opened again (truncated)
-    fd = _open_for_writing(path, "check the prefix given to timeline_start")
-    _close_session()        # (only once the new file is open: a bad prefix leaves the open one alone)
-    _session = _Session(prefix, st, fd=fd)
+    _switch(prefix, st, "check the prefix given to timeline_start")
     st.engine.mark_cycles = bool(mark_cycles) or st.engine.mark_cycles_env
     _session.record()
     _tell_followers()
@@ -287,6 +281,24 @@ def forget_in_forked_child():
     another thread held at the fork would stay held."""
     global _session, _lock
     _session, _lock = None, threading.RLock()
+
+
+def _switch(prefix, st, check, start_step=0, end_step=None):
+    """Open PREFIX<rank>.json as the session (check: where the prefix came from)."""
+    global _session
+    path = timeline_path(prefix, st.rank)
+    if _session is not None and _session.is_file(path):
+        _close_session()    # the open file itself: finished before it is opened again (truncated)
+    session = _Session(prefix, st, start_step, end_step, _open_for_writing(path, check))
+    failed = session.writer.failed      # its first lines (a full disk, a file size limit)
+    if failed is not None:              # (writing nothing, it would only drop events)
+        session.writer.close(time.perf_counter_ns())
+        raise ValueError(f"timeline: cannot write {path!r}: {getattr(failed, 'strerror', None) or failed} "
+                         f"({check})")
+    # only now is the open file finished: a bad prefix leaves it alone, and the new
+    # file holds its beginning (it loads) while the old one's backlog is written
+    _close_session()
+    _session = session
 
 
 def _close_session(at_shutdown=False):

@@ -13,10 +13,12 @@ current = None   # the active Recorder, or None
 
 now_ns = time.perf_counter_ns     # the clock of every event (and of the hooks, hooks.py)
 _ident = threading.get_ident
+_current_thread = threading.current_thread
 
 # event tuples: (phase, t_ns, tensor_name, activity, thread_ident)
 #   phase 'B' begin, 'S' scoped begin, 'E' end, 'i' instant, and 'X' a whole
-#   span recorded once it has ended, whose t_ns is the pair (begin, end)
+#   span recorded once it has ended, whose t_ns is the pair (begin, end); 'T':
+#   the thread ident is this thread's from now on (activity: its name; know_thread)
 #   An 'E' with an activity closes the innermost open span of that activity on
 #   (tensor_name, thread); an 'E' without one closes the innermost span opened
 #   with 'B'. A scoped span ('S': timeline_context, user activities) is closed
@@ -31,6 +33,7 @@ class Recorder:
     def __init__(self):
         self.events = collections.deque()
         self.thread_names = {}   # thread ident -> display name
+        self.threads = {}        # thread ident -> the threading.Thread know_thread last saw with it
         # (tensor_name, thread ident) -> the activities timeline_start_activity opened
         # there in this file and timeline_end_activity has not ended, innermost last
         # (kept here, they go with the file: closing it ends them)
@@ -73,11 +76,22 @@ class Recorder:
         self.thread_names[tid or _ident()] = name
 
     def know_thread(self, tid):
-        """Keep the calling thread's (tid's) Python name for the writer, which names
-        rows when it formats: a short-lived thread may be gone by then."""
-        if tid not in self.thread_names:
-            t = threading.current_thread()
-            self.thread_names[tid] = "main" if t is threading.main_thread() else t.name
+        """Name the calling thread's (tid's) rows after it: a "T" event carries its
+        name to the writer, which formats later (a short-lived thread may be gone by
+        then, and Python gives the ident of a thread that ended to the next one: the
+        writer starts new rows for tid at each "T")."""
+        t = _current_thread()
+        known = self.threads.get(tid)
+        if known is t:
+            return
+        self.threads[tid] = t
+        if known is None and tid in self.thread_names:     # (named at the start: main, communication)
+            return
+        name = self.thread_names[tid] = "main" if t is threading.main_thread() else t.name
+        if known is not None:
+            for key in [k for k in self.activities if k[1] == tid]:    # (the old thread's: ended with its rows)
+                del self.activities[key]
+        self.events.append(("T", now_ns(), None, name, tid))
 
 
 # The module-level functions append directly (one Python call less per event).

@@ -2,7 +2,12 @@
 
 The file is a JSON array written one event per line ("[", then lines ending in
 ","). Only whole lines are handed to the OS, every ``FLUSH_S`` seconds, so the
-file of an agent killed at any moment is a loadable, unterminated array. On a
+file of an agent killed at any moment is a loadable, unterminated array. A kill
+can still cut a large write short, at a page boundary of the file (the kernel
+copies page by page and checks for a fatal signal before each page): so every
+page ends with a line's end (empty lines fill the rest of a page; JSON allows
+them), and a line crosses a page boundary only if it is longer than a page. A
+write that fails (a full disk) is cut back to its last whole line. On a
 clean stop the writer ends every span still open at the stop time and
 terminates the array.
 
@@ -31,6 +36,7 @@ import threading
 
 from . import _recorder
 
+PAGE = 4096             # no line crosses a multiple of it in the file (a cut lands on a line's end)
 FLUSH_S = 0.05          # wake-up period; the spec asks for a flush at least every 100 ms
 METADATA_PID = 0        # pid of the agent-wide "bluefog_metadata" / "bluefog_end" events
 MAIN_TID, COMM_TID = 1, 2
@@ -65,12 +71,15 @@ class Writer:
         self._last_pid = 0
         self._finished = collections.deque()    # (name, ident) of finished rows of unnamed calls, oldest first
         self._tids = {}            # thread ident -> tid
+        self._last_tid = 0
         self._tracks = {}          # (tensor name, thread ident) -> _Track
+        self._retired = []         # tracks of threads that ended (their ident is another's now)
         self._quoted = {}          # text -> JSON string literal (a cache)
         self._heads_of = {}        # activity -> starts of its B, E, i, X lines (a cache)
         self._names = dict(thread_names)   # thread ident -> name, fixed at start
         self.dropped_ends = 0
         self.failed = None         # the error that stopped writing, if any
+        self._offset = 0           # bytes in the file
         self._stop = threading.Event()
         self._thread = None
         for ident, name in thread_names.items():
@@ -90,7 +99,7 @@ class Writer:
         lines = []
         if self.failed is None:
             self._format_pending(lines)
-        for track in self._tracks.values():
+        for track in self._retired + list(self._tracks.values()):
             t = _ts(max(t_stop_ns, track.last))
             while track.stack:
                 lines.append(f"{self._head(track.stack.pop()[0], 1)}{t},{track.tail}")
@@ -115,17 +124,22 @@ class Writer:
     def _write(self, lines):
         if self.failed is not None:
             return
-        data = "".join(lines).encode()
+        data = _paged("".join(lines).encode(), self._offset)
+        start, done = self._offset, 0
         try:
-            while data:
-                n = os.write(self.fd, data)
-                data = data[n:]
+            while done < len(data):
+                done += os.write(self.fd, data[done:])
         except OSError as exc:   # e.g. disk full: stop tracing, never take the job down
             self.failed = exc
             if _recorder.current is self.recorder:
                 _recorder.current = None
+            try:                 # no cut line: the file stays loadable
+                os.ftruncate(self.fd, start + data.rfind(b"\n", 0, done) + 1)
+            except OSError:
+                pass
             sys.stderr.write(f"bluefog_lite WARNING: timeline writing to {self.path} failed "
                              f"({exc}); the timeline is incomplete\n")
+        self._offset = start + done
 
     # ---- formatting -------------------------------------------------------------
     def _quote(self, text):
@@ -139,7 +153,7 @@ class Writer:
     def _tid(self, ident, name=None):
         tid = self._tids.get(ident)
         if tid is None:
-            tid = self._tids[ident] = len(self._tids) + 1
+            self._last_tid = tid = self._tids[ident] = self._last_tid + 1
             if name is None:
                 name = self.recorder.thread_names.get(ident) or _thread_name(ident, tid)
             self._names[ident] = name
@@ -183,6 +197,16 @@ class Writer:
             if not any((old[0], other) in self._tracks for other in self._tids):
                 del self._pids[old[0]]
 
+    def _new_thread(self, ident, name):
+        """ident is a thread named name from now on (see Recorder.know_thread); if it
+        was another's (one that ended), that one's rows are kept aside (close() ends
+        their open spans) and the new thread gets its own tid and rows."""
+        if ident in self._tids:
+            for key in [k for k in self._tracks if k[1] == ident]:
+                self._retired.append(self._tracks.pop(key))
+            del self._tids[ident]
+        self._tid(ident, name)
+
     def _head(self, activity, kind):
         """The start of activity's line of kind 0 (B), 1 (E), 2 (instant) or 3 (X)."""
         heads = self._heads_of.get(activity)
@@ -205,6 +229,9 @@ class Writer:
         tracks, heads_of, append = self._tracks, self._heads_of, lines.append
         for _ in range(len(events)):
             ph, t, name, activity, ident = pop()
+            if ph == "T":
+                self._new_thread(ident, activity)
+                continue
             track = tracks.get((name, ident))
             if track is None:
                 track = self._new_track(name, ident, lines)
@@ -273,6 +300,35 @@ class Writer:
             lines.append(f"{self._head(act, 0)}{ts},{track.tail}")
         del stack[i:]
         stack.extend(inner)
+
+
+def _paged(data, offset):
+    """data (whole lines) to be written at offset, with empty lines added so that
+    every multiple of PAGE in the file falls right after a newline (unless a line
+    is longer than a page). Empty lines, not spaces: a viewer that strips the
+    newlines and a comma at the end of a cut file then finds a comma."""
+    room = PAGE - offset % PAGE      # bytes up to the next page boundary
+    if len(data) <= room:
+        return data
+    out, pos, size = [], 0, len(data)
+    while size - pos > room:
+        cut = data.rfind(b"\n", pos, pos + room)    # the last line that ends in this page
+        if cut >= 0:
+            out.append(data[pos:cut + 1])
+            out.append(b"\n" * (pos + room - cut - 1))
+            pos, room = cut + 1, PAGE
+        elif room < PAGE:            # the write's first line would cross: it starts the next page
+            out.append(b"\n" * room)
+            room = PAGE
+        else:                        # a line longer than a page: it crosses
+            cut = data.find(b"\n", pos + room)
+            if cut < 0:
+                break
+            out.append(data[pos:cut + 1])
+            room = PAGE - (cut + 1 - pos - room) % PAGE
+            pos = cut + 1
+    out.append(data[pos:])
+    return b"".join(out)
 
 
 def _metadata_line(name, args, last=False):

@@ -4,6 +4,7 @@ import threading
 import time
 
 import networkx as nx
+import numpy as np
 import torch
 
 import bluefog_lite as bf
@@ -48,6 +49,24 @@ h = bf.neighbor_allreduce_nonblocking(to_device(x), name="dev.later")
 bf.synchronize(h)
 bf.neighbor_allreduce(to_device(x), name="dev.later.blocking")      # waits for its copy at the call
 bluefog_lite._devices._copy_later = copy_now
+
+# names that are a str subclass (numpy.str_, from an array of names): one row each
+bf.neighbor_allreduce(x, name=np.str_("np.name"))
+bf.win_create(x, np.str_("np.win"))
+bf.win_put(x, np.str_("np.win"))
+bf.win_free("np.win")
+
+# a window and a neighbor operation of one name in flight together: rank 0's put
+# ends at once, its neighbor_allreduce when the others call it 0.3 s later; each
+# MPI_ span must end with its own operation
+bf.win_create(x, "both")
+if r:
+    time.sleep(0.3)
+put = bf.win_put_nonblocking(x, "both")
+h = bf.neighbor_allreduce_nonblocking(x, name="both")
+bf.win_wait(put)
+bf.synchronize(h)
+bf.win_free("both")
 
 assert bf.timeline_start_activity("user", "LOAD_DATA") is True
 assert bf.timeline_end_activity("user") is True
@@ -101,6 +120,10 @@ late(torch.randn(2, 4))
 for h in launched:
     bf.synchronize(h)
 late_hooks.remove()
+# a thread whose only events are the hooks' FORWARD and BACKWARD keeps its name
+trainer = threading.Thread(target=lambda: model(torch.randn(4, 8)).pow(2).mean().backward(), name="trainer")
+trainer.start()
+trainer.join()
 hooks.remove()
 
 
