@@ -74,6 +74,7 @@ class CallerDrive:
             left = bool(self._queue or self._expects_news())
             if not left:
                 self.doorbell.asleep(URGENT_ONLY)     # (see _sleep)
+                self._rung = False    # the next submit rings (a ring may have gone to the caller)
         self._driver = None
         self._drive.release()
         if left:

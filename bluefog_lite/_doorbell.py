@@ -6,7 +6,7 @@ and polling on a timer makes every hop of a small exchange cost up to one
 sleep period. So every agent binds one datagram socket in Linux's abstract
 namespace; after posting packets for a peer on the same host, the sender
 writes one byte to the peer's socket, and an idle communication thread sleeps
-in ``select()`` on its own socket. The kernel wakes it at once, and sleeping
+in ``poll()`` on its own socket. The kernel wakes it at once, and sleeping
 costs no CPU. Callers ring their own agent's bell to hand it new operations.
 
 A ring is a system call for the sender and a spurious wake-up for a thread that
@@ -15,7 +15,8 @@ is not asleep, so agents on the same host also share a page of *sleep flags*
 sets its flag just before it sleeps, and a peer rings only while the flag is
 set. A thread that sets its flag looks for work once more before it sleeps
 (Engine._sleep), so a peer that found the flag clear has already left
-something that look finds; the engine's timed MPI poke is the safety net.
+something that look finds (it probes twice: one MPICH probe may only move a
+waiting message into MPI's queue); the engine's timed MPI poke is the safety net.
 The flag has two levels: ANYTHING (an agent with operations in flight wants
 to hear of every packet) and URGENT_ONLY (an idle agent wants to hear only of
 a large tensor's descriptor, whose sender waits until the receive is posted;
@@ -140,7 +141,11 @@ class Doorbell:
     def wait(self, timeout, drain=True):
         """Sleep until rung or timeout seconds pass; True if rung. Clears the rings
         that arrived unless drain is False (then call drain())."""
-        ready, _, _ = select.select((self.sock,), (), (), timeout)
+        # poll(), not select(): select() refuses descriptors >= 1024 (a process with
+        # many files open); one poll object per call: callers on two threads may wait
+        waiting = select.poll()
+        waiting.register(self.sock, select.POLLIN)
+        ready = waiting.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
         if ready and drain:
             self.drain()
         return bool(ready)

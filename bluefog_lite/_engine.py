@@ -257,6 +257,7 @@ class Engine(CallerDrive, StallInspector):
     def _ring_if_asleep(self):
         if self._sleeping and not self._rung:   # one ring per sleep, not one per operation
             self._rung = True
+            self._handback.set()    # (woken while a caller ran the loop, it waits for a hand-back)
             self._wake()
 
     def _wake(self):
@@ -475,7 +476,9 @@ class Engine(CallerDrive, StallInspector):
         self._sleeping = True     # set before looking at the queue: a submit after the look rings
         bell.asleep(ANYTHING if news else URGENT_ONLY)
         try:
-            if self._queue or self._progress(status):
+            # (two probes: a peer that found the flag down skipped its ring, and one
+            # MPICH probe may miss what it sent, see StreamEndpoint.receive)
+            if self._queue or self._progress(status, 2):
                 return True
             if self._stopping and not self._stop_seen:
                 # once, so that stop()'s wake is not slept through; after that the loop
@@ -598,9 +601,9 @@ class Engine(CallerDrive, StallInspector):
         s.to_ring.clear()
         urgent.clear()
 
-    def _progress(self, status):
+    def _progress(self, status, looks=1):
         s = self.stream
-        moved = s.receive(status)
+        moved = s.receive(status, looks)
         if s.pending_recvs and s.test_recvs():
             moved = True
         if s.sent_packets:

@@ -443,10 +443,15 @@ class StreamEndpoint:
         return sent
 
     # ---- receiving -----------------------------------------------------
-    def receive(self, status):
-        """Drain every packet that has arrived; returns True if any did."""
+    def receive(self, status, looks=1):
+        """Drain every packet that has arrived; returns True if any did. looks: probes
+        that must find nothing before it gives up (one MPICH Improbe may only move a
+        waiting message into MPI's queue and find nothing; the next finds it)."""
         improbe = self.comm.Improbe
         msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
+        while msg is None and looks > 1:
+            looks -= 1
+            msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
         if msg is None:
             return False
         while msg is not None:

@@ -186,6 +186,13 @@ def test_an_interrupted_blocking_call_frees_its_name_once_done():
     assert "INTERRUPTED" in out
 
 
+@pytest.mark.parametrize("case", ["missed_look", "handback", "many_files"])
+def test_the_communication_thread_wakes_for_its_work(case):
+    """tests/workers/runtime_wakeups.py: with the MPI pokes at 1 s, no operation
+    waits for one (a lost wake-up) and a doorbell descriptor >= 1024 works."""
+    run_agents(2, "runtime_wakeups.py", case, timeout=90)
+
+
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
 
