@@ -25,13 +25,15 @@ THREAD_TIDS = {"main": 1, "communication": 2}
 # ---- writing synthetic agent files -------------------------------------------------
 
 def write_agent(path, rank, size, slices, offset_us=0.0, rtt_us=2.0, instants=(), crashed=False, host="h",
-                run=("run-a", 1.8e9)):
+                run=("run-a", 1.8e9), prefix=None):
     """An agent file as the writer lays it out. slices: (tensor, thread, activity,
     begin, end) in µs on the agent's own clock; end None leaves the slice open
     (crashed=True then also leaves the array unterminated with a cut last line)."""
     pids, lines = {}, ["[\n"]
     meta = {"rank": rank, "size": size, "hostname": host, "clock_offset_us": offset_us,
             "clock_offset_rtt_us": rtt_us, "clock_offset_measured": True, "run_id": run[0], "run_started_s": run[1]}
+    if prefix is not None:
+        meta["prefix"] = prefix
     lines.append(json.dumps({"name": "bluefog_metadata", "ph": "M", "pid": 0, "tid": 0, "args": meta}) + ",\n")
     timed = []
     for tensor, thread, activity, begin, end in slices:
@@ -677,6 +679,38 @@ def test_a_file_whose_rank_differs_from_its_name_is_refused(tmp_path, capsys):
     write_agent(tmp_path / "tl_0.json", 1, 2, [])
     code, _, err = cli(["summary", tmp_path / "tl_"], capsys)
     assert code == 1 and "records rank 1" in err
+
+
+def test_a_run_under_a_prefix_that_extends_another_is_left_out(tmp_path, capsys):
+    """Runs under run and run1 in one folder: run1's rank 0 file, run10.json, is not
+    rank 10 of run (the tools refused run: 'records rank 0, not 10')."""
+    for prefix, run in (("run", ("A", 1.7e9)), ("run1", ("B", 1.8e9))):
+        for r in range(2):
+            write_agent(tmp_path / f"{prefix}{r}.json", r, 2, op_call("w", "ALLREDUCE", (10, 50), (12, 48), (20, 40)),
+                        run=run, prefix=str(tmp_path / prefix))
+    code, out, err = cli(["summary", tmp_path / "run"], capsys)
+    assert code == 0 and "2 agents" in out, err
+    code, out, err = cli(["merge", tmp_path / "run", "-o", tmp_path / "m.json"], capsys)
+    assert code == 0 and "run10.json (another run's" in out and "run11.json (another run's" in out, (out, err)
+    assert len({e["pid"] for e in load_json(tmp_path / "m.json") if e.get("ph") == "B"}) == 2   # agents
+    code, out, err = cli(["summary", tmp_path / "run1"], capsys)
+    assert code == 0 and "2 agents" in out, err
+
+
+@pytest.mark.parametrize("case", ["args_list", "no_ts", "ts_text", "x_no_name"])
+def test_malformed_events_are_a_clear_error_not_a_traceback(tmp_path, capsys, case):
+    write_agent(tmp_path / "tl_0.json", 0, 1, op_call("w", "ALLREDUCE", (10, 50), (12, 48), (20, 40)))
+    text = (tmp_path / "tl_0.json").read_text()
+    bad = {"args_list": lambda t: t.replace('"args": {"rank"', '"args": [], "was": {"rank"', 1),
+           "no_ts": lambda t: t.replace('"ph":"B","ts":10.000,', '"ph":"B",', 1),
+           "ts_text": lambda t: t.replace('"ts":10.000', '"ts":"10"', 1),
+           "x_no_name": lambda t: t.replace('{"name":"COMMUNICATE","ph":"B","ts":20.000',
+                                            '{"ph":"X","dur":1,"ts":20.000', 1)}[case](text)
+    assert bad != text
+    (tmp_path / "tl_0.json").write_text(bad)
+    for command in (["summary"], ["merge", "-o", tmp_path / "m.json"]):
+        code, _, err = cli([command[0], tmp_path / "tl_", *command[1:]], capsys)
+        assert code == 1 and "error:" in err and "Traceback" not in err, err
 
 
 def test_plot_without_matplotlib_names_the_install_command(tmp_path, capsys, monkeypatch):

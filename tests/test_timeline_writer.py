@@ -353,3 +353,10 @@ def test_know_thread_tells_a_reused_ident_apart():
         t.join()
     assert [(e[0], e[3], e[4]) for e in rec.events] == [("T", f"t{k}", i) for k, i in enumerate(idents)]
     assert rec.thread_names[idents[-1]] == "t19"
+
+
+def test_back_to_back_complete_spans_are_not_read_as_overlapping():
+    """ts + dur in floating point can end a hair after the next span's begin."""
+    events = [{"ph": "X", "ts": 1164481020.834, "dur": 131.026, "pid": 1, "tid": 1, "name": "A"},
+              {"ph": "X", "ts": 1164481151.86, "dur": 5.0, "pid": 1, "tid": 1, "name": "B"}]
+    assert [(s.name, s.parent) for s in read_spans(events)] == [("A", None), ("B", None)]

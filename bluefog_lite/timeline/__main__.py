@@ -56,8 +56,9 @@ def main(argv=None):
                 topo = getattr(topology, args.topology)
             counts = merge(args.prefix, args.output, topology=topo, flows=not args.no_flows,
                            allow_missing=args.allow_missing)
-            print(f"bftimeline: wrote {args.output}: {counts['agents']} agents, {counts['events']} events, "
-                  f"{counts['flows']} flow arrows" + _without(counts["skipped"]))
+            _write(sys.stdout, f"bftimeline: wrote {args.output}: {counts['agents']} agents, "
+                               f"{counts['events']} events, {counts['flows']} flow arrows"
+                               + _without(counts["skipped"]) + "\n")
         elif args.command == "summary":
             from ._summary import format_summary, summarize
             summary = summarize(args.prefix, compute=args.compute, allow_missing=args.allow_missing,
@@ -73,9 +74,14 @@ def main(argv=None):
             from ._plot import plot
             lanes, skipped = plot(args.prefix, args.output, start_ms=args.start, end_ms=args.end,
                                   allow_missing=args.allow_missing)
-            print(f"bftimeline: wrote {args.output} ({lanes} lanes)" + _without(skipped))
+            _write(sys.stdout, f"bftimeline: wrote {args.output} ({lanes} lanes)" + _without(skipped) + "\n")
     except (ValueError, RuntimeError, OSError) as exc:
-        sys.stderr.write(f"bftimeline {args.command}: error: {exc}\n")
+        _write(sys.stderr, f"bftimeline {args.command}: error: {exc}\n")
+        return 1
+    except (KeyError, TypeError, AttributeError) as exc:    # a hand-made or foreign file's event
+        _write(sys.stderr, f"bftimeline {args.command}: error: a timeline file of {args.prefix} holds an event "
+                           f"these tools cannot read ({type(exc).__name__}: {exc}); were the files written by "
+                           "bluefog_lite and left unedited?\n")
         return 1
     return 0
 

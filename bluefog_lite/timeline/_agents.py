@@ -33,15 +33,19 @@ def find_agents(prefix, allow_missing=False):
     folder = folder or "."
     if not os.path.isdir(folder):
         raise ValueError(f"no timeline files {prefix}<rank>.json: directory {folder!r} does not exist")
-    pattern = re.compile(re.escape(base) + r"(\d+)\.json\Z")
-    found = {}
+    pattern = re.compile(re.escape(base) + r"([0-9]+)\.json\Z")
+    found, others = {}, []
     for entry in os.listdir(folder):
         m = pattern.match(entry)
-        if m and os.path.isfile(os.path.join(folder, entry)):
-            found.setdefault(int(m.group(1)), os.path.join(folder, entry))
+        path = os.path.join(folder, entry)
+        if m and os.path.isfile(path):
+            if _of_longer_prefix(base, entry, path):
+                others.append(f"{path} (another run's: its prefix is longer)")
+            else:
+                found.setdefault(int(m.group(1)), path)
     if not found:
         raise ValueError(f"no timeline files {prefix}<rank>.json (looked for e.g. {prefix}0.json)")
-    agents, skipped = [], []
+    agents, skipped = [], others
     for rank, path in sorted(found.items()):
         if allow_missing and is_empty(path):
             skipped.append(f"{path} (empty)")
@@ -86,6 +90,21 @@ def _describe_run(agents):
     when = (" started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
             if isinstance(started, (int, float)) else "")
     return f"ranks {shown} of a run of {meta.get('size')} agents{when}"
+
+
+def _of_longer_prefix(base, entry, path):
+    """True if the file entry (at path) is a rank's file of a run recorded under a
+    prefix that extends base (run1's rank 0, run10.json, is not rank 10 of run):
+    its metadata's prefix and rank name it so. A renamed file counts as base's."""
+    try:
+        meta = read_metadata(path)
+    except ValueError:
+        return False
+    recorded, rank = meta.get("prefix"), meta.get("rank")
+    if not isinstance(recorded, str) or not isinstance(rank, int):
+        return False
+    own = os.path.basename(recorded)
+    return own != base and own.startswith(base) and f"{own}{rank}.json" == entry
 
 
 def _agent(rank, path):

@@ -98,7 +98,7 @@ def plot(prefix, out_path, start_ms=None, end_ms=None, allow_missing=False):
             ax.broken_barh(list(zip(b, np.maximum(e - b, pixel_ms))), (y - h / 2, h),
                            facecolors=_GROUPS[g][1], edgecolors="none")
     _decorate(ax, keys, lo, hi)
-    fig.suptitle(f"{prefix}<rank>.json: {len({k[0] for k in keys})} agents on rank 0's clock",
+    fig.suptitle(_drawable(f"{prefix}<rank>.json: {len({k[0] for k in keys})} agents on rank 0's clock"),
                  y=1 - 0.08 / height, va="top", fontsize=10)
     groups = sorted(used)
     if not groups:
@@ -143,10 +143,16 @@ def _decorate(ax, keys, lo, hi):
     ax.set_ylim(len(keys) - 0.5, -0.5)
     ax.set_xlim(lo, hi)
     ax.set_yticks(range(len(keys)))
-    ax.set_yticklabels([f"rank {rank}  {thread}" for rank, _, thread in keys], fontsize=8)
+    ax.set_yticklabels([_drawable(f"rank {rank}  {thread}") for rank, _, thread in keys], fontsize=8)
     for y in range(1, len(keys)):
         if keys[y][0] != keys[y - 1][0]:
             ax.axhline(y - 0.5, color="#555555", linewidth=0.6)
     ax.set_xlabel("time (ms) since the first event")
     ax.grid(axis="x", color="#eeeeee", linewidth=0.5)
     ax.set_axisbelow(True)
+
+
+def _drawable(text):
+    """text that matplotlib can draw: a lone surrogate (a file name's undecodable
+    byte, a thread name) as a backslash escape (matplotlib raised TypeError)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -32,6 +32,8 @@ def metadata(events):
     """The args of the file's bluefog_metadata event (rank, size, hostname, clock offset...)."""
     for ev in events:
         if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
+            if not isinstance(ev.get("args"), dict):
+                raise ValueError(f"{path}: its bluefog_metadata event has no args object")
             return ev["args"]
     raise ValueError("no bluefog_metadata event: not a bluefog_lite timeline file")
 
@@ -75,7 +77,7 @@ def read_spans(events, complete=True):
     for key, row in rows.items():
         stack = []
         for begin, end, name in sorted(row, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1][1] <= begin:
+            while stack and stack[-1][1] <= begin + 1e-6:     # (ts + dur in floats: ends a hair late)
                 stack.pop()
             if stack and end > stack[-1][1] + 1e-6:
                 raise ValueError(f"slices overlap partially on row {key}: {stack[-1]} and {(begin, end, name)}")
@@ -183,6 +185,8 @@ def read_metadata(path, within=64):
                          "flush, or a file left from elsewhere; --allow-missing reads the run without it)")
     for k, ev in enumerate(iter_events(path)):
         if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
+            if not isinstance(ev.get("args"), dict):
+                raise ValueError(f"{path}: its bluefog_metadata event has no args object")
             return ev["args"]
         if k >= within:
             break
