@@ -138,10 +138,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> bool:
+    """True if text is a positive process count in ASCII digits (str.isdigit() takes
+    "²", which int() refuses, and int() takes "٢", on which Hydra crashed)."""
+    return re.fullmatch(r"[0-9]+", text) is not None and int(text) > 0
+
+
 def _host_list(text: str) -> str:
     for entry in text.split(","):
         host, colon, slots = entry.partition(":")
-        if not host or host != host.strip() or (colon and not (slots.isdigit() and int(slots) > 0)):
+        if not host or host != host.strip() or (colon and not _count(slots)):
             raise argparse.ArgumentTypeError(
                 f"expected host1:n1,host2:n2,... (n a positive integer), got {text!r}")
     return text
@@ -256,11 +262,11 @@ def _hostfile_problem(path: str) -> Optional[str]:
             continue
         host, colon, count = words[0].partition(":")
         # (two colons or more: an IPv6 address (Open MPI), or MPICH's host:n:interface: not checked)
-        if ":" not in count and (not host or (colon and not (count.isdigit() and int(count) > 0))):
+        if ":" not in count and (not host or (colon and not _count(count))):
             return (f"line {number} {line.strip()!r}: expected a host name, optionally with a positive process "
                     "count (host:4)")
         slots = _slots(words)
-        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+        if slots is not None and not _count(slots):
             return f"line {number} {line.strip()!r}: slots must be a positive integer (host slots=4)"
         hosts += 1
     return None if hosts else "it names no host"
@@ -272,27 +278,48 @@ def _slots(words: List[str]) -> Optional[str]:
     return found.group(1) if found else None
 
 
+_OPENMPI_KEYWORD = re.compile(r"(?:^|\s)(?:slots|max_slots|max-slots)\s*=")
+
+
 def _mpich_hostfile(path: str) -> Optional[str]:
     """The text of Open MPI's hostfile ``path`` (``host slots=n``, Bluefog's documented
-    format) in MPICH's format (``host:n``), or None if it uses no slots=: Hydra
-    failed on slots= with a screenful of its own parse errors. Other Open MPI
-    keywords (max_slots=) have no MPICH counterpart and are dropped."""
+    format) in MPICH's format (``host:n``), or None if it uses no Open MPI keyword:
+    Hydra failed on them with a screenful of its own parse errors. Keywords with no
+    MPICH counterpart (max_slots=) are dropped."""
     with open(path) as f:
         lines = f.read().splitlines()
     out, translated = [], False
     for line in lines:
         words = line.split("#", 1)[0].split()
-        slots = _slots(words) if words else None
-        if slots is None:
+        if not words or not _OPENMPI_KEYWORD.search(" ".join(words[1:])):
             out.append(line)
-        elif words[0].count(":") >= 2:
+            continue
+        slots = _slots(words)
+        if words[0].count(":") >= 2 and slots is not None:
             raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes host:n, which cannot hold the IPv6 "
                              f"address {words[0]}: name the host, or use host:n lines")
-        elif ":" in words[0]:
+        if ":" in words[0] and slots is not None:
             raise ValueError(f"line {line.strip()!r}: gives its count twice, as host:n and as slots=n: keep one")
-        else:
-            out.append(f"{words[0]}:{slots}")
+        out.append(words[0] if slots is None else f"{words[0]}:{slots}")
+        translated = True
+    return "\n".join(out) + "\n" if translated else None
+
+
+def _openmpi_hostfile(path: str) -> Optional[str]:
+    """The text of MPICH's hostfile ``path`` (``host:n``) in Open MPI's format
+    (``host slots=n``), or None if it has no host:n line: Open MPI read "a:2" as a
+    host name. (Two colons or more: an IPv6 address, left as it is.)"""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    out, translated = [], False
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        host, colon, count = words[0].partition(":") if words else ("", "", "")
+        if colon and ":" not in count and _count(count):
+            out.append(" ".join([host, f"slots={count}"] + words[1:]))
             translated = True
+        else:
+            out.append(line)
     return "\n".join(out) + "\n" if translated else None
 
 
@@ -309,12 +336,11 @@ def _cannot_create_files_in(directory: str) -> Optional[str]:
 
 
 def _absolute_prefix(prefix: str) -> str:
-    # Ranks may start in another working directory; a trailing separator
-    # ("out/") means "files inside out/" and must survive abspath.
-    absolute = os.path.abspath(os.path.expanduser(prefix))
-    if prefix.endswith(os.sep):
-        absolute += os.sep
-    return absolute
+    """prefix from the root: ranks may start in another working directory. Not
+    normalized: the files are PREFIX<rank>.json as text ("out/." must write
+    "out/.0.json", as BLUEFOG_TIMELINE=out/. does, not "out0.json" beside out/)."""
+    prefix = os.path.expanduser(prefix)
+    return prefix if os.path.isabs(prefix) else os.path.join(os.getcwd(), prefix)
 
 
 # --------------------------------------------------------------------------
@@ -343,13 +369,16 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
     """
     environ = os.environ if environ is None else environ
     extra_flags = shlex.split(args.extra_mpi_flags or "")
+    dashed = args.command[0].startswith("-")     # (bfrun -np 2 -- -prog: the launcher must not read it)
     if launcher.flavor == "openmpi":
-        return _openmpi_options(args, launcher.path, environ) + extra_flags + args.command
+        return _openmpi_options(args, launcher.path, environ) + extra_flags + ["--"] * dashed + args.command
     if launcher.flavor == "mpich":
         rank_command = list(args.command)
         if getattr(args, "rank_guard", True):
             rank_command = [sys.executable, "-I", os.path.abspath(__file__), _RANK_GUARD_FLAG,
                             status_dir or _NO_STATUS_DIR, *rank_command]
+        elif dashed:    # (Hydra takes no "--": env runs it)
+            rank_command = ["env", "--", *rank_command]
         return _mpich_options(args, launcher.path) + extra_flags + rank_command
     raise ValueError(f"launcher flavor must be 'mpich' or 'openmpi', got {launcher.flavor!r}")
 
@@ -416,9 +445,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if launcher.flavor == "mpich" and args.rank_guard:
         status_dir = tempfile.mkdtemp(prefix="bfrun-status-")
     try:
-        if launcher.flavor == "mpich" and args.hostfile:
+        if args.hostfile:
             try:
-                text = _mpich_hostfile(args.hostfile)
+                text = (_mpich_hostfile if launcher.flavor == "mpich" else _openmpi_hostfile)(args.hostfile)
             except ValueError as exc:
                 return _fail(f"--hostfile {args.hostfile!r}: {exc}")
             if text is not None:

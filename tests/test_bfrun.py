@@ -80,8 +80,25 @@ def test_mpich_ranks_run_behind_the_rank_guard_by_default():
 
 
 def test_double_dash_separates_a_program_that_starts_with_a_dash():
+    """Hydra takes no "--" and reads -weird as its own option: env runs it; Open MPI's
+    mpirun takes "--"; the rank guard runs it itself."""
     cmd = _command(["--no-rank-guard", "-np", "2", "--", "-weird", "x"], MPICH)
-    assert cmd[-2:] == ["-weird", "x"]
+    assert cmd[-4:] == ["env", "--", "-weird", "x"]
+    assert _command(["-np", "2", "--", "-weird", "x"], OPENMPI)[-3:] == ["--", "-weird", "x"]
+    assert "--" not in _command(["-np", "2", "prog", "x"], OPENMPI)
+    guarded = _command(["-np", "2", "--", "-weird", "x"], MPICH)
+    assert guarded[-2:] == ["-weird", "x"] and "env" not in guarded
+
+
+def test_a_program_that_starts_with_a_dash_runs_under_mpich(tmp_path):
+    prog = tmp_path / "-weird"
+    prog.write_text("#!/bin/sh\necho RAN \"$@\"\n")
+    prog.chmod(0o755)
+    for guard in ([], ["--no-rank-guard"]):
+        out = subprocess.run(_bfrun(*guard, "-np", "1", "--", "-weird", "a b"),
+                             capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}"))
+        assert out.returncode == 0 and "RAN a b" in out.stdout, (guard, out.stdout, out.stderr)
 
 
 # --------------------------------------------------------------------------
@@ -182,7 +199,9 @@ def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
     `host:n` (it failed on slots= with its own parse errors)."""
     (tmp_path / "hosts").write_text("# two machines\na slots=2 max_slots=4\nb:3\n\nc slots=1  # last\nd slots = 3\n")
     assert run._mpich_hostfile(str(tmp_path / "hosts")) == "# two machines\na:2\nb:3\n\nc:1\nd:3\n"
-    (tmp_path / "hosts").write_text("a:2\nb max_slots=4\n")
+    (tmp_path / "hosts").write_text("a:2\nb max_slots=4\n")       # (Hydra: "token max_slots not supported")
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) == "a:2\nb\n"
+    (tmp_path / "hosts").write_text("a:2\nb\n")
     assert run._mpich_hostfile(str(tmp_path / "hosts")) is None
     (tmp_path / "hosts").write_text("fe80::1 slots=2\n")       # host:n cannot hold it
     with pytest.raises(ValueError, match="cannot hold the IPv6 address fe80::1"):
@@ -190,6 +209,36 @@ def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
     (tmp_path / "hosts").write_text("node1:2 slots=4\n")
     with pytest.raises(ValueError, match="gives its count twice, as host:n and as slots=n"):
         run._mpich_hostfile(str(tmp_path / "hosts"))
+
+
+def test_mpich_hostfiles_are_translated_for_open_mpi(tmp_path):
+    """Open MPI read `a:2` as a host name (ssh: Could not resolve hostname a:2)."""
+    (tmp_path / "hosts").write_text("# two\na:2\nb slots=3\nfe80::1\nc:1  # last\n")
+    assert run._openmpi_hostfile(str(tmp_path / "hosts")) == "# two\na slots=2\nb slots=3\nfe80::1\nc slots=1\n"
+    (tmp_path / "hosts").write_text("a slots=2\nb\n")
+    assert run._openmpi_hostfile(str(tmp_path / "hosts")) is None
+
+
+@pytest.mark.parametrize("count", ["\u00b2", "\u0662"])
+def test_process_counts_are_ascii_digits(tmp_path, capsys, count):
+    """"²" passed str.isdigit() and crashed int(); "٢" passed int() and crashed Hydra (SIGFPE)."""
+    assert run.main(["-np", "2", "-H", f"localhost:{count}", "prog"]) == 2
+    (tmp_path / "hosts").write_text(f"localhost:{count}\n")
+    assert run.main(["-np", "2", "--hostfile", str(tmp_path / "hosts"), "prog"]) == 2
+    (tmp_path / "hosts").write_text(f"localhost slots={count}\n")
+    assert run.main(["-np", "2", "--hostfile", str(tmp_path / "hosts"), "prog"]) == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_timeline_prefix_is_made_absolute_as_text(monkeypatch, tmp_path):
+    """The files are PREFIX<rank>.json: "out/." is "out/.0.json" as with BLUEFOG_TIMELINE
+    (abspath made it "out0.json", beside out/)."""
+    monkeypatch.chdir(tmp_path)
+    assert run._absolute_prefix("out/.") == f"{tmp_path}/out/."
+    assert run._absolute_prefix(".") == f"{tmp_path}/."
+    assert run._absolute_prefix("out/") == f"{tmp_path}/out/"
+    assert run._absolute_prefix("/abs/tl_") == "/abs/tl_"
+    assert run._absolute_prefix("~/tl_") == os.path.expanduser("~/tl_")
 
 
 def test_bluefog_option_spellings():
