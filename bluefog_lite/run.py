@@ -10,12 +10,14 @@ import argparse
 import ctypes
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Mapping, NamedTuple, Optional
 
@@ -536,12 +538,17 @@ def _run_job(command: List[str], env: Mapping[str, str], grace: float = SHUTDOWN
                 previous[signum] = signal.signal(signum, relay)
     except ValueError:  # not the main thread: no relaying possible
         pass
+    terminal = _is_terminal(0)
     try:
         try:
             process.append(subprocess.Popen(command, env=env, start_new_session=True,
+                                            stdin=subprocess.PIPE if terminal else None,
                                             preexec_fn=_stop_with(os.getpid())))
         except OSError as exc:
             return _fail(f"cannot start the MPI launcher {command[0]!r}: {exc}")
+        if terminal:
+            threading.Thread(target=_relay_typing, args=(0, process[0].stdin, _in_foreground),
+                             name="bfrun-stdin", daemon=True).start()
         if received:  # a signal came before the launcher existed
             _signal_group(process[0], _RELAY_AS.get(received[0], received[0]))
         code = _wait_with_deadline(process[0], received, grace)
@@ -554,6 +561,49 @@ def _run_job(command: List[str], env: Mapping[str, str], grace: float = SHUTDOWN
         print(f"bfrun: the MPI launcher {command[0]!r} was killed by signal {_signal_name(-code)}",
               file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
+
+
+def _is_terminal(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _in_foreground() -> bool:
+    """True while bfrun's process group is its terminal's foreground job."""
+    try:
+        return os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _relay_typing(fd: int, pipe, foreground) -> None:
+    """Copy what is typed on the terminal fd to the launcher (rank 0's stdin) while
+    foreground() says bfrun is the terminal's foreground job. The launcher runs in a
+    session of its own (so that the terminal's signals reach it only through bfrun);
+    given the terminal itself, Hydra read it also while bfrun ran in the background
+    (bfrun ... &, or stopped with Ctrl-Z), taking the shell's input."""
+    try:
+        while True:
+            if not foreground():
+                time.sleep(0.1)
+                continue
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if not ready or not foreground():
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                break           # end of input (Ctrl-D)
+            pipe.write(data)
+            pipe.flush()
+    except (OSError, ValueError):     # the launcher has ended (a broken pipe), or the terminal has gone
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 def _signal_name(number: int) -> str:

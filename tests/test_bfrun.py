@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -239,6 +240,34 @@ def test_timeline_prefix_is_made_absolute_as_text(monkeypatch, tmp_path):
     assert run._absolute_prefix("out/") == f"{tmp_path}/out/"
     assert run._absolute_prefix("/abs/tl_") == "/abs/tl_"
     assert run._absolute_prefix("~/tl_") == os.path.expanduser("~/tl_")
+
+
+def test_typing_reaches_the_job_only_while_bfrun_is_in_the_foreground():
+    """With a terminal as stdin, bfrun copies it to the launcher only while it is the
+    terminal's foreground job (Hydra, given the terminal, took the shell's input while
+    bfrun ran in the background). Here a pipe stands in for the terminal."""
+    typed_r, typed_w = os.pipe()
+    sink_r, sink_w = os.pipe()
+    front = threading.Event()
+    relay = threading.Thread(target=run._relay_typing, args=(typed_r, os.fdopen(sink_w, "wb"), front.is_set))
+    relay.start()
+    os.write(typed_w, b"for the shell\n")
+    time.sleep(0.4)
+    assert select.select([sink_r], [], [], 0)[0] == [], "read the terminal while in the background"
+    assert os.read(typed_r, 100) == b"for the shell\n"         # still there for the foreground job
+    front.set()
+    os.write(typed_w, b"for rank 0\n")
+    deadline = time.monotonic() + 10
+    got = b""
+    while b"\n" not in got and time.monotonic() < deadline:
+        if select.select([sink_r], [], [], 0.1)[0]:
+            got += os.read(sink_r, 100)
+    assert got == b"for rank 0\n"
+    os.close(typed_w)                                   # end of input: the launcher's stdin closes too
+    relay.join(10)
+    assert not relay.is_alive() and os.read(sink_r, 100) == b""
+    os.close(typed_r)
+    os.close(sink_r)
 
 
 def test_bluefog_option_spellings():
