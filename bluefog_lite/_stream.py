@@ -23,7 +23,7 @@ from ._mpi import MPI
 
 STREAM_TAG = 1
 _FIRST_DATA_TAG = 2
-_DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20)
+_DATA_TAGS = 1 << 20          # private tags cycle through [2, 2 + 2^20), or fewer (StreamEndpoint)
 _ALIGN = 64
 _HEAD = struct.Struct("<Q")
 
@@ -270,6 +270,8 @@ class StreamEndpoint:
 
     def __init__(self, comm, fusion_threshold, inline_limit, pool):
         self.comm = comm
+        # an MPI may allow tags only up to 32767 (the standard's least MPI_TAG_UB)
+        self._data_tags = min(_DATA_TAGS, comm.Get_attr(MPI.TAG_UB) - _FIRST_DATA_TAG + 1)
         self.fusion_threshold = fusion_threshold
         self.inline_limit = inline_limit
         self.pool = pool
@@ -337,7 +339,7 @@ class StreamEndpoint:
         """The next private tag of a large message to dst."""
         n = self._next_tag[dst]
         self._next_tag[dst] = n + 1
-        return _FIRST_DATA_TAG + n % _DATA_TAGS
+        return _FIRST_DATA_TAG + n % self._data_tags
 
     def _send_data(self, dst, tag, raw, tensor, data_requests):
         """The data message of a large entry whose descriptor is sent; tensor is kept

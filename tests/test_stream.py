@@ -3,6 +3,7 @@ of the packets a sender builds."""
 import numpy as np
 import torch
 
+from bluefog_lite._mpi import MPI
 from bluefog_lite._pool import BufferPool
 from bluefog_lite._stream import _KIND_OBJECT, Outgoing, StreamEndpoint, _header
 
@@ -15,8 +16,13 @@ class _Request:
 class RecordingComm:
     """Stands in for the communicator of a sender: keeps what it is asked to send."""
 
-    def __init__(self):
+    def __init__(self, tag_ub=(1 << 29) - 1):
         self.sent = []      # (bytes, dst, tag)
+        self.tag_ub = tag_ub
+
+    def Get_attr(self, key):
+        assert key == MPI.TAG_UB
+        return self.tag_ub
 
     def Isend(self, buf, dst, tag):
         self.sent.append((bytes(buf[0])[:buf[1]] if len(buf) == 3 else bytes(buf[0]), dst, tag))
@@ -24,7 +30,15 @@ class RecordingComm:
 
 
 def endpoint(comm=None):
-    return StreamEndpoint(comm, 8 << 20, 64 << 10, BufferPool(0))
+    return StreamEndpoint(comm or RecordingComm(), 8 << 20, 64 << 10, BufferPool(0))
+
+
+def test_data_tags_stay_within_the_mpis_tag_bound():
+    """The MPI standard only promises tags up to 32767 (MPI_TAG_UB); private data tags
+    cycle below whatever bound the MPI gives."""
+    ep = endpoint(RecordingComm(tag_ub=100))
+    tags = [ep._data_tag(3) for _ in range(300)]
+    assert min(tags) == 2 and max(tags) == 100 and tags[:3] == [2, 3, 4] and tags[99] == 2
 
 
 def received(data):
@@ -99,10 +113,11 @@ class _Message:
         buf[0][:] = np.frombuffer(self.data, np.uint8)
 
 
-class InboundComm:
+class InboundComm(RecordingComm):
     """Stands in for the communicator of a receiver: hands out queued packets."""
 
     def __init__(self, packets):
+        super().__init__()
         self.packets = list(packets)      # (src, bytes), in arrival order
 
     def Improbe(self, source, tag, status):
