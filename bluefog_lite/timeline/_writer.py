@@ -40,6 +40,7 @@ PAGE = 4096             # no line crosses a multiple of it in the file (a cut la
 FLUSH_S = 0.05          # wake-up period; the spec asks for a flush at least every 100 ms
 METADATA_PID = 0        # pid of the agent-wide "bluefog_metadata" / "bluefog_end" events
 MAIN_TID, COMM_TID = 1, 2
+_SLICE = 20000          # events formatted per write while a backlog is drained (~20 ms each)
 _CACHED = 4096          # entries of the writer's caches of JSON text (cleared when full)
 _FINISHED_KEPT = 2048   # finished rows of unnamed calls kept for late events (COPY_TO_DEVICE): ~1024 calls
 # the form of the names ops._op_name gives calls without one (each used by one call
@@ -111,10 +112,12 @@ class Writer:
     def _run(self):
         try:
             while not self._stop.wait(FLUSH_S):
-                lines = []
-                self._format_pending(lines)
-                if lines:
-                    self._write(lines)
+                more = True
+                while more and not self._stop.is_set():   # in slices: a backlog goes out as it is formatted
+                    lines = []
+                    more = self._format_pending(lines, _SLICE)
+                    if lines:
+                        self._write(lines)
         except Exception as exc:   # a tracing bug must not abort the job (init's thread excepthook would)
             self.failed = exc
             if _recorder.current is self.recorder:
@@ -222,12 +225,15 @@ class Writer:
                                             f'{{"name":{q},"ph":"X","ts":')
         return heads
 
-    def _format_pending(self, lines):
-        """Format every queued event into lines (the hot loop of the writer thread)."""
+    def _format_pending(self, lines, most=None):
+        """Format the queued events (at most ``most``) into lines (the hot loop of the
+        writer thread); True if some are left."""
         events = self.recorder.events
         pop = events.popleft
         tracks, heads_of, append = self._tracks, self._heads_of, lines.append
-        for _ in range(len(events)):
+        queued = len(events)
+        taken = queued if most is None or most > queued else most
+        for _ in range(taken):
             ph, t, name, activity, ident = pop()
             if ph == "T":
                 self._new_thread(ident, activity)
@@ -282,6 +288,7 @@ class Writer:
                 track.stack.append((activity, ph == "S"))
                 heads = heads_of.get(activity) or self._heads(activity)
                 append(f"{heads[0]}{s[:-3]}.{s[-3:]},{track.tail}")
+        return taken < queued
 
     def _end_inner(self, track, ts, activity, lines):
         """An end for a span that is not the innermost: close the spans opened
