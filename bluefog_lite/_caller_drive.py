@@ -161,6 +161,9 @@ class CallerDrive:
             self._active.add(op)
             self._step(op, None)
             self._run_until(op)
+        except BaseException:       # (interrupted: the blocking call never gets the handle)
+            self.abandon(op)
+            raise
         finally:
             self._let_go()
         return op.handle

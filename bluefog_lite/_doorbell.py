@@ -6,7 +6,7 @@ and polling on a timer makes every hop of a small exchange cost up to one
 sleep period. So every agent binds one datagram socket in Linux's abstract
 namespace; after posting packets for a peer on the same host, the sender
 writes one byte to the peer's socket, and an idle communication thread sleeps
-in ``poll()`` on its own socket. The kernel wakes it at once, and sleeping
+in ``select()`` (``poll()`` for a descriptor >= 1024) on its own socket. The kernel wakes it at once, and sleeping
 costs no CPU. Callers ring their own agent's bell to hand it new operations.
 
 A ring is a system call for the sender and a spurious wake-up for a thread that
@@ -25,6 +25,7 @@ other data can wait in MPI until the agent starts the operation it is for).
 Peers on other hosts, and platforms without abstract sockets, are not rung:
 for them the engine keeps its polling timeout (see Engine._sleep).
 """
+import math
 import mmap
 import os
 import secrets
@@ -49,6 +50,7 @@ class Doorbell:
         self.rank = comm.rank
         self.address = self._address(token, comm.rank)
         self.sock = self._bind(self.address)
+        self._fd = self.sock.fileno() if self.sock is not None else -1
         views = comm.allgather((socket.gethostname(), self.sock is not None))
         mine = views[comm.rank]
         self.peers = {r: self._address(token, r) for r, view in enumerate(views)
@@ -141,11 +143,12 @@ class Doorbell:
     def wait(self, timeout, drain=True):
         """Sleep until rung or timeout seconds pass; True if rung. Clears the rings
         that arrived unless drain is False (then call drain())."""
-        # poll(), not select(): select() refuses descriptors >= 1024 (a process with
-        # many files open); one poll object per call: callers on two threads may wait
-        waiting = select.poll()
-        waiting.register(self.sock, select.POLLIN)
-        ready = waiting.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
+        if self._fd < 1024:         # (select() sleeps in microseconds, poll() in whole milliseconds)
+            ready = select.select((self.sock,), (), (), timeout)[0]
+        else:   # select() refuses descriptors >= 1024 (a process with many files open)
+            waiting = select.poll()         # (one per call: callers on two threads may wait)
+            waiting.register(self._fd, select.POLLIN)
+            ready = waiting.poll(None if timeout is None else math.ceil(max(0.0, timeout) * 1000.0))
         if ready and drain:
             self.drain()
         return bool(ready)

@@ -291,10 +291,15 @@ class Engine(CallerDrive, StallInspector):
         except BaseException:
             op = self._ops.get(handle)
             if op is not None:          # (else synchronized: its own error)
-                op.abandoned = True     # (set before done is read; _flush sets done before reading it)
-                if op.done:
-                    self._forget(op)
+                self.abandon(op)
             raise
+
+    def abandon(self, op):
+        """Nobody will synchronize op (its blocking call was interrupted): it is
+        dropped, with its name, once done."""
+        op.abandoned = True     # (set before done is read; _flush sets done before reading it)
+        if op.done:
+            self._forget(op)
 
     def _forget(self, op):
         """Drop a done op that nobody will synchronize (once, whoever comes first)."""
@@ -352,6 +357,17 @@ class Engine(CallerDrive, StallInspector):
                              f"data at shutdown: {exc!r}\n")
         self.doorbell.close()
         self.comm.Free()
+
+    def drop_memory(self):
+        """After stop(), once the thread has ended: let go of the buffer pool, data
+        received and results never synchronized (the stopped engine is kept for
+        calls that race with shutdown, until the next init())."""
+        if self._thread.is_alive():
+            return
+        self.pool.clear()
+        self.stream.inbox.clear()
+        with self._lock:
+            self._ops.clear()
 
     # ---- helpers used by tasks (comm thread) ------------------------------
     def send_tensor(self, op, dst, key, out):

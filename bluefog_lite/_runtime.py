@@ -333,7 +333,8 @@ def _shutdown():
         _state.shutdown_steps += 1
     # Calls on other threads that passed state() before this may still read the
     # engine and the departures: they are kept (stopped: the engine refuses new
-    # operations) until the next init() replaces them
+    # operations; without its memory) until the next init() replaces them
+    _state.engine.drop_memory()
     _state.initialized = False
     _state.shut_down = True
     _state.comm.Free()
@@ -533,8 +534,12 @@ def _fingerprint(G, is_weighted):
 
 def _identity(G, is_weighted):
     """What makes a graph the one in use: the fingerprint and, for an unweighted
-    graph too, the weights (load_topology() hands them out; Bluefog compared them)."""
-    return _fingerprint(G, True), bool(is_weighted)
+    graph too, its weight attributes as they are (load_topology() hands them out;
+    Bluefog compared them; unused, they need not be numbers)."""
+    if is_weighted:
+        return _fingerprint(G, True), True
+    weights = sorted((int(i), int(j), repr(w)) for i, j, w in G.edges(data="weight", default=1.0))
+    return _edges(G), repr(weights), False
 
 
 def _same_everywhere(call, fingerprints, graphs_differ):

@@ -271,7 +271,8 @@ class StreamEndpoint:
     def __init__(self, comm, fusion_threshold, inline_limit, pool):
         self.comm = comm
         # an MPI may allow tags only up to 32767 (the standard's least MPI_TAG_UB)
-        self._data_tags = min(_DATA_TAGS, comm.Get_attr(MPI.TAG_UB) - _FIRST_DATA_TAG + 1)
+        bound = comm.Get_attr(MPI.TAG_UB)      # (None where an MPI does not say)
+        self._data_tags = _DATA_TAGS if bound is None else min(_DATA_TAGS, bound - _FIRST_DATA_TAG + 1)
         self.fusion_threshold = fusion_threshold
         self.inline_limit = inline_limit
         self.pool = pool

@@ -571,11 +571,12 @@ def _is_terminal(fd: int) -> bool:
 
 
 def _in_foreground() -> bool:
-    """True while bfrun's process group is its terminal's foreground job."""
+    """True while bfrun's process group is its terminal's foreground job, or if the
+    terminal is not bfrun's controlling one (no job control: reading it is safe)."""
     try:
         return os.tcgetpgrp(0) == os.getpgrp()
     except OSError:
-        return False
+        return True
 
 
 def _relay_typing(fd: int, pipe, foreground) -> None:

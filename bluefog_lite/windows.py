@@ -202,7 +202,7 @@ def win_create(tensor, name, zero_init=False):
         meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
     h = eng.submit("win_create", "WIN_CREATE", lambda eng, op: _win_tasks.create(
         eng, op, win, problem, meta, bool(zero_init)))     # (checked: problem names a bad one)
-    multi_host = eng.synchronize(h)
+    multi_host = eng.synchronize_owned(h)
     if multi_host and _poke_before is None:
         # Off-host targets need their own MPI progress for puts to complete; on one
         # host the windows are shared memory and the default poke costs less.
@@ -271,7 +271,7 @@ def _free(name, at_shutdown=False):
         op.at_shutdown = at_shutdown
         return _win_tasks.free(eng, op, wins, names, problem)
     h = eng.submit("win_free", "WIN_FREE", task)
-    eng.synchronize(h)
+    eng.synchronize_owned(h)
     for n in names:
         del st.windows[n]
     if not st.windows and _poke_before is not None:

@@ -179,10 +179,13 @@ def test_an_operation_interrupted_in_synchronize_stays_done():
     assert "INTERRUPTED" in out, "the KeyboardInterrupt did not reach synchronize: the test tested nothing"
 
 
-def test_an_interrupted_blocking_call_frees_its_name_once_done():
+@pytest.mark.parametrize("caller_progress", ["1", "0"])
+def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
     """Ctrl-C caught around a blocking call (tests/workers/runtime_interrupted_blocking.py):
-    the operation whose only handle the call held frees its name when it is done."""
-    _, out = run_agents(4, "runtime_interrupted_blocking.py", timeout=90, env={"BLUEFOG_CALLER_PROGRESS": "0"})
+    the operation whose only handle the call held frees its name when it is done,
+    whether the call waited running the loop itself (the quick path's) or on the thread."""
+    _, out = run_agents(4, "runtime_interrupted_blocking.py", timeout=90,
+                        env={"BLUEFOG_CALLER_PROGRESS": caller_progress})
     assert "INTERRUPTED" in out
 
 

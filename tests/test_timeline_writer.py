@@ -331,11 +331,13 @@ def test_a_thread_ident_reused_by_a_new_thread_gets_a_row_of_its_own(tmp_path):
     """Python reuses the ident of a thread that ended; the recorder's "T" event
     (Recorder.know_thread) makes the writer start new rows named after the new thread,
     and the old thread's span still open is ended at the stop."""
-    events, _ = write(tmp_path, [("B", 1000, "r", "OLD", 5), ("T", 2000, None, "second", 5),
+    events, w = write(tmp_path, [("B", 1000, "r", "OLD", 5), ("B", 1100, "q", "DONE", 5), ("E", 1200, "q", "DONE", 5),
+                                 ("T", 2000, None, "second", 5),
                                  ("B", 3000, "r", "NEW", 5), ("E", 4000, "r", "NEW", 5)], names={5: "first"})
+    assert len(w._retired) == 1     # (only rows with a span to end: a thread per batch must not grow it)
     rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     got = sorted((rows[(s.pid, s.tid)], s.name, s.begin, s.end) for s in read_spans(events))
-    assert got == [("first", "OLD", 1.0, 10000.0), ("second", "NEW", 3.0, 4.0)]
+    assert got == [("first", "DONE", 1.1, 1.2), ("first", "OLD", 1.0, 10000.0), ("second", "NEW", 3.0, 4.0)]
 
 
 def test_know_thread_tells_a_reused_ident_apart():
@@ -357,10 +359,12 @@ def test_know_thread_tells_a_reused_ident_apart():
 
 
 def test_back_to_back_complete_spans_are_not_read_as_overlapping():
-    """ts + dur in floating point can end a hair after the next span's begin."""
-    events = [{"ph": "X", "ts": 1164481020.834, "dur": 131.026, "pid": 1, "tid": 1, "name": "A"},
-              {"ph": "X", "ts": 1164481151.86, "dur": 5.0, "pid": 1, "tid": 1, "name": "B"}]
-    assert [(s.name, s.parent) for s in read_spans(events)] == [("A", None), ("B", None)]
+    """ts + dur in floating point can end a hair after the next span's begin (more
+    so the longer the host has been up: timestamps count from boot)."""
+    for ts, dur in ((1164481020.834, 131.026), (21600e6 + 0.001, 0.003), (4e11 + 0.007, 123.456)):
+        events = [{"ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": 1, "name": "A"},
+                  {"ph": "X", "ts": float(f"{ts + dur:.3f}"), "dur": 5.0, "pid": 1, "tid": 1, "name": "B"}]
+        assert [(s.name, s.parent) for s in read_spans(events)] == [("A", None), ("B", None)], (ts, dur)
 
 
 def test_a_backlog_is_written_in_slices_as_it_is_formatted():

@@ -33,7 +33,7 @@ def metadata(events):
     for ev in events:
         if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
             if not isinstance(ev.get("args"), dict):
-                raise ValueError(f"{path}: its bluefog_metadata event has no args object")
+                raise ValueError("its bluefog_metadata event has no args object")
             return ev["args"]
     raise ValueError("no bluefog_metadata event: not a bluefog_lite timeline file")
 
@@ -55,7 +55,7 @@ def read_spans(events, complete=True):
             continue
         key, ts = (ev["pid"], ev["tid"]), ev["ts"]
         if ph == "X":
-            rows[key].append((ts, ts + ev["dur"], ev["name"]))
+            rows[key].append((ts, ts + ev["dur"], ev["name"], _ns(ts), _ns(ts) + _ns(ev["dur"])))
             continue
         if ts < last[key]:
             raise ValueError(f"time goes backwards on row {key}: {ev}")
@@ -68,7 +68,7 @@ def read_spans(events, complete=True):
             name, begin = open_b[key].pop()
             if ev.get("name", name) != name:
                 raise ValueError(f"E {ev['name']!r} closes B {name!r} on row {key}")
-            rows[key].append((begin, ts, name))
+            rows[key].append((begin, ts, name, _ns(begin), _ns(ts)))
     if complete:
         still = {k: v for k, v in open_b.items() if v}
         if still:
@@ -76,14 +76,20 @@ def read_spans(events, complete=True):
     spans = []
     for key, row in rows.items():
         stack = []
-        for begin, end, name in sorted(row, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1][1] <= begin + 1e-6:     # (ts + dur in floats: ends a hair late)
+        # compared in whole nanoseconds, the files' resolution (ts + dur in floats
+        # ends a hair after the next span's begin, more so the longer the host is up)
+        for begin, end, name, b, e in sorted(row, key=lambda s: (s[3], -s[4])):
+            while stack and stack[-1][1] <= b:
                 stack.pop()
-            if stack and end > stack[-1][1] + 1e-6:
-                raise ValueError(f"slices overlap partially on row {key}: {stack[-1]} and {(begin, end, name)}")
+            if stack and e > stack[-1][1]:
+                raise ValueError(f"slices overlap partially on row {key}: {stack[-1][2]} and {(begin, end, name)}")
             spans.append(Span(key[0], key[1], name, begin, end, stack[-1][2] if stack else None))
-            stack.append((begin, end, name))
+            stack.append((b, e, name))
     return spans
+
+
+def _ns(us):
+    return round(us * 1000)
 
 
 # ---- streaming (bftimeline): one event at a time, for files of hundreds of MB ----
@@ -185,6 +191,8 @@ def read_metadata(path, within=64):
                          "flush, or a file left from elsewhere; --allow-missing reads the run without it)")
     for k, ev in enumerate(iter_events(path)):
         if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
+            if not isinstance(ev.get("args"), dict):
+                raise ValueError(f"{path}: its bluefog_metadata event has no args object")
             if not isinstance(ev.get("args"), dict):
                 raise ValueError(f"{path}: its bluefog_metadata event has no args object")
             return ev["args"]

@@ -89,7 +89,7 @@ class Recorder:
             return
         name = self.thread_names[tid] = "main" if t is threading.main_thread() else t.name
         if known is not None:
-            for key in [k for k in self.activities if k[1] == tid]:    # (the old thread's: ended with its rows)
+            for key in [k for k in list(self.activities) if k[1] == tid]:   # (others add theirs meanwhile)    # (the old thread's: ended with its rows)
                 del self.activities[key]
         self.events.append(("T", now_ns(), None, name, tid))
 

@@ -206,7 +206,9 @@ class Writer:
         their open spans) and the new thread gets its own tid and rows."""
         if ident in self._tids:
             for key in [k for k in self._tracks if k[1] == ident]:
-                self._retired.append(self._tracks.pop(key))
+                track = self._tracks.pop(key)
+                if track.stack:     # (spans to end at close)
+                    self._retired.append(track)
             del self._tids[ident]
         self._tid(ident, name)
 

@@ -4,8 +4,9 @@ call held the only handle of its operation; before, the operation finished later
 but its name stayed "in flight" for good: the next call of that name was refused
 ("synchronize it before reusing the name") with no handle left to synchronize.
 Now the abandoned operation frees its name when it is done. (Run with
-BLUEFOG_CALLER_PROGRESS=0: the main thread then waits on a lock, where the signal
-lands, instead of running the communication loop.)"""
+BLUEFOG_CALLER_PROGRESS=1, the main thread runs the communication loop while it
+waits, on the quick path, and the signal lands in its sleep; with 0 it waits on a
+lock.)"""
 import signal
 import threading
 import time

@@ -65,6 +65,11 @@ try:
     raise AssertionError("a weight of 10**400 was accepted")
 except ValueError as e:
     assert "finite" in str(e) or "rank 1" in str(e), str(e)
+# the weight attributes of an unweighted graph are not used: they need not be numbers
+H = topo.RingGraph(size)
+nx.set_edge_attributes(H, None, "weight")
+assert bf.set_topology(H) and bf.set_topology(H) and bf.load_topology() is H
+assert bf.set_topology(topo.RingGraph(size)) and bf.load_topology() is not H
 # refused while an operation is in flight on some agent: rank 0 waits for rank 1,
 # which sends only after set_topology
 if rank == 0:
