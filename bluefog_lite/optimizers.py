@@ -141,6 +141,8 @@ class _CountForward(CopiedInert):
             if any(p.requires_grad for p in self.params):
                 self.counts[self.index] += 1
                 self.counts[-1] += 1    # passes since the last step
+            else:
+                self.wrapper._frozen_pass = True    # (a step that saw only such passes counts none)
             self.wrapper._activity()
             self.wrapper._pass_begins()
 
@@ -284,6 +286,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, model, num_steps_per_communication=1, name_prefix=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError("torch.optim.LBFGS is not supported by the optimizer wrappers: its step(closure) "
+                            "evaluates the model several times per step, and a wrapper's step runs the closure "
+                            "once (the communication it launches belongs to that one pass)")
         if isinstance(num_steps_per_communication, bool) \
                 or not isinstance(num_steps_per_communication, numbers.Integral) or num_steps_per_communication < 1:
             raise ValueError(f"num_steps_per_communication must be a positive integer, "
@@ -786,6 +792,8 @@ class _ForwardCounted:
     of the one called most (a GAN's generator and discriminator, each called once
     per step: one pass per step). k=1: every step."""
 
+    _frozen_pass = False    # a pass with every wrapped parameter frozen since the last step
+
     def _count_forwards(self):
         self._forwards = [0] * (len(self._models) + 1)    # per model; the last: passes since the last step
         for i, m in enumerate(self._models):
@@ -793,9 +801,10 @@ class _ForwardCounted:
             self._hooks.append(m.register_forward_pre_hook(_CountForward(self, self._forwards, i, params)))
 
     def _communicating(self):
-        """A step that sees no counted pass (the model's submodules are called, not the
-        model) counts as one, so that it still communicates every k steps."""
-        passes = max(self._forwards[:-1]) + (not self._forwards[-1])
+        """A step that sees no pass of the model (its submodules are called, not the
+        model) counts as one, so that it still communicates every k steps; one that
+        saw only passes with the model frozen counts none."""
+        passes = max(self._forwards[:-1]) + (not self._forwards[-1] and not self._frozen_pass)
         return self.num_steps_per_communication == 1 or passes >= self.num_steps_per_communication
 
     def _counters(self):
@@ -828,9 +837,10 @@ class _ForwardCounted:
         if communicated:
             self._forwards[:] = [0] * len(self._forwards)
         else:
-            if not self._forwards[-1]:
+            if not self._forwards[-1] and not self._frozen_pass:
                 self._forwards[:-1] = [c + 1 for c in self._forwards[:-1]]
             self._forwards[-1] = 0
+        self._frozen_pass = False
 
 
 class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicator):

@@ -23,6 +23,8 @@ AWC, ATC = bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThenCombi
 GAR, WINPUT = bf.DistributedGradientAllreduceOptimizer, bf.DistributedWinPutOptimizer
 for wrapper in (AWC, ATC, GAR, WINPUT):
     raises(TypeError, "optimizer must be a torch.optim.Optimizer, got Linear", wrapper, net, net)
+    raises(TypeError, "LBFGS is not supported by the optimizer wrappers", wrapper,
+           torch.optim.LBFGS(net.parameters()), net)
     raises(TypeError, "model must be a torch.nn.Module or a list of them, got dict", wrapper,
            sgd(net.parameters()), {"net": net})
     listed = wrapper(sgd(net.parameters()), [net])      # a list of models: index in front of the names

@@ -157,6 +157,32 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedWinPutOpt
         opt.free_windows()
     opt.remove_hooks()
 
+# A step whose only pass ran with the whole wrapped model frozen (the optimizer also
+# holds a parameter outside it) counts no pass either: with k=2 the model communicates
+# in steps 2 and 4 (before, such a step counted as "a step that saw no pass": 1 and 3)
+for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedWinPutOptimizer):
+    torch.manual_seed(300 + rank)
+    D = torch.nn.Linear(3, 1, dtype=torch.float64)
+    extra = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+    opt = wrapper(torch.optim.SGD(list(D.parameters()) + [extra], lr=0.0), D, num_steps_per_communication=2)
+    winput = wrapper is bf.DistributedWinPutOptimizer
+    for it in range(5):
+        with torch.no_grad():
+            for p in D.parameters():
+                p.add_(rank + it)
+        before = bf.allgather(torch.from_numpy(flat(D))[None], name=f"frozen.step.before.{it}").numpy()
+        D.requires_grad_(it != 0)
+        opt.zero_grad()
+        (D(torch.ones(4, 3, dtype=torch.float64)) * extra).sum().backward()
+        step(opt, winput)
+        want = (W.T @ before)[rank] if it in (2, 4) else before[rank]
+        np.testing.assert_allclose(flat(D), want, rtol=1e-12, atol=1e-12,
+                                   err_msg=f"frozen-only step, {wrapper.__name__}, step {it}")
+    D.requires_grad_(True)
+    if winput:
+        opt.free_windows()
+    opt.remove_hooks()
+
 # communication_type set during a step (after its pass) applies from the next step, as
 # in Bluefog: this step's round stays neighbor_allreduce on every agent
 model = make(rank)
