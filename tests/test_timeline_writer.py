@@ -227,6 +227,10 @@ def test_user_api_off_is_false_and_validates():
         with pytest.raises(ValueError, match="library's own spans"):
             _api.timeline_context("t", library_span)
     assert _api.timeline_start_activity("t", "MY_MPI_IO") is False     # (only the prefixes)
+    for call in (_api.timeline_start_activity, _api.timeline_context):   # (the rows of unnamed calls)
+        with pytest.raises(ValueError, match="'allreduce.noname.3' has the form"):
+            call("allreduce.noname.3", "A")
+    assert _api.timeline_start_activity("my.noname.x", "A") is False
 
 
 @pytest.mark.parametrize("start,end,message", [("x", "", "BLUEFOG_TIMELINE_START_STEP"),

@@ -7,6 +7,7 @@ import functools
 import threading
 
 from . import _recorder
+from ._writer import GENERATED_NAME
 
 
 _LIBRARY_PREFIXES = ("MPI_", "ENQUEUE_")    # the library's spans: bftimeline reads them as operations
@@ -15,6 +16,13 @@ _LIBRARY_PREFIXES = ("MPI_", "ENQUEUE_")    # the library's spans: bftimeline re
 def _check(value, what):
     if not isinstance(value, str) or not value:
         raise TypeError(f"{what} must be a non-empty string, got {value!r}")
+
+
+def _check_tensor_name(tensor_name):
+    _check(tensor_name, "tensor_name")
+    if ".noname." in tensor_name and GENERATED_NAME.fullmatch(tensor_name):
+        raise ValueError(f"tensor_name {tensor_name!r} has the form '<operation>.noname.<n>', the row of one call "
+                         "without a name (its row is dropped once the call is over); choose another name")
 
 
 def _check_activity(activity_name):
@@ -26,7 +34,7 @@ def _check_activity(activity_name):
 
 def timeline_start_activity(tensor_name, activity_name):
     """Open a span named activity_name on tensor_name's row. True if recorded."""
-    _check(tensor_name, "tensor_name")
+    _check_tensor_name(tensor_name)
     _check_activity(activity_name)
     rec = _recorder.current
     if rec is None:
@@ -67,7 +75,7 @@ class timeline_context:
     __slots__ = ("tensor_name", "activity_name", "_open")
 
     def __init__(self, tensor_name, activity_name):
-        _check(tensor_name, "tensor_name")
+        _check_tensor_name(tensor_name)
         _check_activity(activity_name)
         self.tensor_name, self.activity_name = tensor_name, activity_name
         # thread ident -> the recorders of this object's blocks open on that thread,
