@@ -175,16 +175,16 @@ def test_a_busy_poll_loop_lets_the_communication_thread_run():
 def test_an_operation_interrupted_in_synchronize_stays_done():
     """Ctrl-C caught around synchronize (tests/workers/runtime_interrupted.py): the
     operation is done, its handle synchronizes again, and nothing counts as in flight."""
-    _, out = run_agents(4, "runtime_interrupted.py", timeout=90)
+    _, out = run_agents(4, "runtime_interrupted.py", "synchronize", timeout=90)
     assert "INTERRUPTED" in out, "the KeyboardInterrupt did not reach synchronize: the test tested nothing"
 
 
 @pytest.mark.parametrize("caller_progress", ["1", "0"])
 def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
-    """Ctrl-C caught around a blocking call (tests/workers/runtime_interrupted_blocking.py):
+    """Ctrl-C caught around a blocking call (tests/workers/runtime_interrupted.py):
     the operation whose only handle the call held frees its name when it is done,
     whether the call waited running the loop itself (the quick path's) or on the thread."""
-    _, out = run_agents(4, "runtime_interrupted_blocking.py", timeout=90,
+    _, out = run_agents(4, "runtime_interrupted.py", "blocking", timeout=90,
                         env={"BLUEFOG_CALLER_PROGRESS": caller_progress})
     assert "INTERRUPTED" in out
 

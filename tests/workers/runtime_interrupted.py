@@ -1,11 +1,22 @@
-"""Ctrl-C caught around synchronize: rank 0's SIGINT is delivered to its communication
-thread while the main thread waits for an operation, so Python raises the
-KeyboardInterrupt in the main thread once its wait returns, i.e. just after it took
-the operation's lock. Before, the lock stayed taken: the operation counted as in
-flight for good (set_topology refused, shutdown waited a minute) and a second
-synchronize of its handle never returned. Now the operation is done: synchronizing
-it again returns its result, set_topology is accepted, and shutdown is prompt."""
+"""Ctrl-C caught around bluefog_lite calls (argv[1] picks the case).
+
+synchronize: rank 0's SIGINT is delivered to its communication thread while the
+    main thread waits for an operation, so Python raises the KeyboardInterrupt in
+    the main thread once its wait returns, i.e. just after it took the operation's
+    lock. Before, the lock stayed taken: the operation counted as in flight for good
+    (set_topology refused, shutdown waited a minute) and a second synchronize of its
+    handle never returned. Now the operation is done: synchronizing it again returns
+    its result, set_topology is accepted, and shutdown is prompt.
+blocking: rank 0's blocking neighbor_allreduce is interrupted (SIGINT to its main
+    thread) while it waits for the others. The blocking call held the only handle of
+    its operation; before, the operation finished later but its name stayed "in
+    flight" for good: the next call of that name was refused ("synchronize it before
+    reusing the name") with no handle left to synchronize. Now the abandoned
+    operation frees its name when it is done. (With BLUEFOG_CALLER_PROGRESS=1 the
+    main thread runs the communication loop while it waits, on the quick path, and
+    the signal lands in its sleep; with 0 it waits on a lock.)"""
 import signal
+import sys
 import threading
 import time
 
@@ -14,25 +25,41 @@ import torch
 import bluefog_lite as bf
 import topology
 
+case = sys.argv[1]
 bf.init()
 rank, size = bf.rank(), bf.size()
 W = topology.mixing_matrix(bf.load_topology())
 x = torch.full((4,), float(rank), dtype=torch.float64)
 want = torch.full((4,), float(sum(W[k, rank] * k for k in range(size))), dtype=torch.float64)
-if rank == 0:
-    comm = next(t for t in threading.enumerate() if t.name == "bluefog-communication")
-    threading.Timer(0.1, lambda: signal.pthread_kill(comm.ident, signal.SIGINT)).start()
-    h = bf.neighbor_allreduce_nonblocking(x, name="x")
-    try:
-        got = bf.synchronize(h)     # (its first wait of 0.5 s ends with the others' data)
-    except KeyboardInterrupt:
-        got = bf.synchronize(h)
-        print("INTERRUPTED", flush=True)
+if case == "synchronize":
+    if rank == 0:
+        comm = next(t for t in threading.enumerate() if t.name == "bluefog-communication")
+        threading.Timer(0.1, lambda: signal.pthread_kill(comm.ident, signal.SIGINT)).start()
+        h = bf.neighbor_allreduce_nonblocking(x, name="x")
+        try:
+            got = bf.synchronize(h)     # (its first wait of 0.5 s ends with the others' data)
+        except KeyboardInterrupt:
+            got = bf.synchronize(h)
+            print("INTERRUPTED", flush=True)
+    else:
+        time.sleep(0.25)
+        got = bf.neighbor_allreduce(x, name="x")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    bf.barrier()
 else:
-    time.sleep(0.25)
-    got = bf.neighbor_allreduce(x, name="x")
-torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-bf.barrier()
+    if rank == 0:
+        main = threading.main_thread().ident
+        threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+        try:
+            bf.neighbor_allreduce(x, name="x")
+            raise AssertionError("not interrupted: the test tested nothing")
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+    else:
+        time.sleep(1.0)
+        torch.testing.assert_close(bf.neighbor_allreduce(x, name="x"), want, rtol=1e-12, atol=1e-12)
+    bf.barrier()        # (the others' first round reached rank 0 before this)
+    torch.testing.assert_close(bf.neighbor_allreduce(x, name="x"), want, rtol=1e-12, atol=1e-12)
 assert bf.set_topology(topology.RingGraph(size)), "set_topology refused: an operation still counts as in flight"
 start = time.monotonic()
 bf.shutdown()
