@@ -6,8 +6,9 @@ and polling on a timer makes every hop of a small exchange cost up to one
 sleep period. So every agent binds one datagram socket in Linux's abstract
 namespace; after posting packets for a peer on the same host, the sender
 writes one byte to the peer's socket, and an idle communication thread sleeps
-in ``select()`` (``poll()`` for a descriptor >= 1024) on its own socket. The kernel wakes it at once, and sleeping
-costs no CPU. Callers ring their own agent's bell to hand it new operations.
+in ``select()`` (``poll()`` for a descriptor >= 1024) on its own socket. The
+kernel wakes it at once, and sleeping costs no CPU. Callers ring their own
+agent's bell to hand it new operations.
 
 A ring is a system call for the sender and a spurious wake-up for a thread that
 is not asleep, so agents on the same host also share a page of *sleep flags*

@@ -302,14 +302,16 @@ class Engine(CallerDrive, StallInspector):
             self._forget(op)
 
     def _forget(self, op):
-        """Drop a done op that nobody will synchronize (once, whoever comes first)."""
+        """Drop a done op, its name and its handle (once, whoever comes first: its
+        synchronize, or _flush/abandon for an abandoned op); False if already dropped."""
         with self._lock:
             if self._ops.pop(op.handle, None) is None:
-                return
+                return False
             if op.reserved:
                 self._names.discard(op.name)
         if op.freed is not None:
             op.freed()
+        return True
 
     def synchronize(self, handle):
         op = self._lookup(handle)
@@ -320,13 +322,8 @@ class Engine(CallerDrive, StallInspector):
         while not op.wait_done(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the bluefog_lite communication thread has died")
-        with self._lock:
-            if self._ops.pop(handle, None) is None:      # another thread synchronized it meanwhile
-                raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
-            if op.reserved:
-                self._names.discard(op.name)
-        if op.freed is not None:
-            op.freed()
+        if not self._forget(op):      # another thread synchronized it meanwhile
+            raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
         if op.error is not None:
             raise op.error
         return op.result if op.deliver is None else op.deliver(op.result)

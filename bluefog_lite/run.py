@@ -288,40 +288,43 @@ def _mpich_hostfile(path: str) -> Optional[str]:
     format) in MPICH's format (``host:n``), or None if it uses no Open MPI keyword:
     Hydra failed on them with a screenful of its own parse errors. Keywords with no
     MPICH counterpart (max_slots=) are dropped."""
-    with open(path) as f:
-        lines = f.read().splitlines()
-    out, translated = [], False
-    for line in lines:
-        words = line.split("#", 1)[0].split()
-        if not words or not _OPENMPI_KEYWORD.search(" ".join(words[1:])):
-            out.append(line)
-            continue
+    def rewrite(line: str, words: List[str]) -> Optional[str]:
+        if not _OPENMPI_KEYWORD.search(" ".join(words[1:])):
+            return None
         slots = _slots(words)
         if words[0].count(":") >= 2 and slots is not None:
             raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes host:n, which cannot hold the IPv6 "
                              f"address {words[0]}: name the host, or use host:n lines")
         if ":" in words[0] and slots is not None:
             raise ValueError(f"line {line.strip()!r}: gives its count twice, as host:n and as slots=n: keep one")
-        out.append(words[0] if slots is None else f"{words[0]}:{slots}")
-        translated = True
-    return "\n".join(out) + "\n" if translated else None
+        return words[0] if slots is None else f"{words[0]}:{slots}"
+    return _rewritten_hostfile(path, rewrite)
 
 
 def _openmpi_hostfile(path: str) -> Optional[str]:
     """The text of MPICH's hostfile ``path`` (``host:n``) in Open MPI's format
     (``host slots=n``), or None if it has no host:n line: Open MPI read "a:2" as a
     host name. (Two colons or more: an IPv6 address, left as it is.)"""
+    def rewrite(line: str, words: List[str]) -> Optional[str]:
+        host, colon, count = words[0].partition(":")
+        if colon and ":" not in count and _count(count):
+            return " ".join([host, f"slots={count}"] + words[1:])
+        return None
+    return _rewritten_hostfile(path, rewrite)
+
+
+def _rewritten_hostfile(path: str, rewrite) -> Optional[str]:
+    """The text of hostfile ``path`` with each line that names a host replaced by
+    rewrite(line, its words before any comment) unless that is None; None if no
+    line was."""
     with open(path) as f:
         lines = f.read().splitlines()
     out, translated = [], False
     for line in lines:
         words = line.split("#", 1)[0].split()
-        host, colon, count = words[0].partition(":") if words else ("", "", "")
-        if colon and ":" not in count and _count(count):
-            out.append(" ".join([host, f"slots={count}"] + words[1:]))
-            translated = True
-        else:
-            out.append(line)
+        new = rewrite(line, words) if words else None
+        out.append(line if new is None else new)
+        translated |= new is not None
     return "\n".join(out) + "\n" if translated else None
 
 

@@ -415,14 +415,14 @@ def win_mutex(name, for_self=False, ranks=None):
             targets.append(st.rank)
     targets = sorted(set(targets))
     _wait_owned(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_acquire(eng, op, win, targets)),
-                     True))
+                        True))
     win.mutex_blocks += 1
     try:
         yield
     finally:
         win.mutex_blocks -= 1
         _wait_owned(_submit(win, "WIN_MUTEX", _no_copy(lambda eng, op: _win_tasks.mutex_release(eng, op, win, targets)),
-                         True))
+                            True))
 
 
 def get_win_version(name):

@@ -89,8 +89,6 @@ class _Session:
         self.identity = os.fstat(fd)[1:3]  # (inode, device): the file, however its path is written
 
     def record(self):
-        if self.writer.failed is not None:     # (it said so on stderr; recording would only be dropped)
-            return
         self.writer.start()
         self.recording = True
         _recorder.current = self.recorder

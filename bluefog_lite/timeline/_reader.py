@@ -193,8 +193,6 @@ def read_metadata(path, within=64):
         if ev.get("ph") == "M" and ev.get("name") == "bluefog_metadata":
             if not isinstance(ev.get("args"), dict):
                 raise ValueError(f"{path}: its bluefog_metadata event has no args object")
-            if not isinstance(ev.get("args"), dict):
-                raise ValueError(f"{path}: its bluefog_metadata event has no args object")
             return ev["args"]
         if k >= within:
             break

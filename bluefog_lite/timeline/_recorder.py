@@ -89,7 +89,9 @@ class Recorder:
             return
         name = self.thread_names[tid] = "main" if t is threading.main_thread() else t.name
         if known is not None:
-            for key in [k for k in list(self.activities) if k[1] == tid]:   # (others add theirs meanwhile)    # (the old thread's: ended with its rows)
+            # the old thread's activities ended with its rows (a copy of the keys:
+            # other threads add theirs meanwhile)
+            for key in [k for k in list(self.activities) if k[1] == tid]:
                 del self.activities[key]
         self.events.append(("T", now_ns(), None, name, tid))
 
