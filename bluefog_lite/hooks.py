@@ -39,7 +39,8 @@ Hooks cost a few microseconds per module call even while the timeline is not
 recording; the optimizer wrappers install them only while a timeline file is
 open (from its start to its stop, or through its step window), and not on a
 model that has them already. Hooks installed with this call replace the ones a
-wrapper installed on the same model, so a model never records its spans twice.
+wrapper or an earlier call installed on the same model, so a model never records
+its spans twice.
 """
 import threading
 import weakref
@@ -52,18 +53,18 @@ _ident = threading.get_ident
 _now_ns = _recorder.now_ns
 
 
-_installed = weakref.WeakKeyDictionary()   # model -> {TimelineHooks in place on it: installed by a wrapper}
+_installed = weakref.WeakKeyDictionary()   # model -> {TimelineHooks in place on it: None}
 _forwards = set()          # the _Pass of each model whose forward is in progress (while recording)
 
 
 class TimelineHooks:
     """The handles installed by timeline_install_hooks; ``remove()`` removes them all."""
 
-    def __init__(self, handles, model=None, auto=False):
+    def __init__(self, handles, model=None):
         self.handles = handles
         self._model = weakref.ref(model) if model is not None else None
         if model is not None:
-            _installed.setdefault(model, {})[self] = auto
+            _installed.setdefault(model, {})[self] = None
 
     def remove(self):
         for handle in self.handles:
@@ -102,10 +103,9 @@ def timeline_install_hooks(model, prefix=""):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {prefix!r}")
-    for hooks, auto in list(_installed.get(model, {}).items()):
-        if auto:
-            hooks.remove()     # an optimizer wrapper's: these take their place
-    return _install(model, prefix, auto=False)
+    for hooks in list(_installed.get(model, {})):
+        hooks.remove()         # a wrapper's or an earlier call's: these take their place
+    return _install(model, prefix)
 
 
 def install_unless_present(model, prefix=""):
@@ -113,10 +113,10 @@ def install_unless_present(model, prefix=""):
     under): installed unless the model has timeline hooks already (then None)."""
     if _installed.get(model):
         return None
-    return _install(model, prefix, auto=True)
+    return _install(model, prefix)
 
 
-def _install(model, prefix, auto):
+def _install(model, prefix):
     names = {id(p): prefix + n for n, p in model.named_parameters()}
     owner = {}                 # parameter id -> index of the module that owns it
     state = _Pass()
@@ -137,7 +137,7 @@ def _install(model, prefix, auto):
     for name, p in model.named_parameters():
         if p.requires_grad:
             handles.append(p.register_hook(_GradientReady(prefix + name, owner[id(p)], state)))
-    return TimelineHooks(handles, model, auto)
+    return TimelineHooks(handles, model)
 
 
 class CopiedInert:

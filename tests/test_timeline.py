@@ -425,6 +425,34 @@ def test_a_copied_or_saved_model_carries_inert_timeline_hooks(tmp_path):
                         for act in ("FORWARD", "BACKWARD")}, recorded
 
 
+def test_installing_timeline_hooks_again_replaces_the_earlier_ones():
+    """A second timeline_install_hooks on a model takes the first call's place (as it takes
+    a wrapper's), with its own prefix: every span is recorded once, under the new names; the
+    first handle's remove() then removes nothing. (Both sets recorded: every span twice.)"""
+    import torch
+    from bluefog_lite import hooks
+    from bluefog_lite.timeline import _recorder
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    first = hooks.timeline_install_hooks(model)
+    second = hooks.timeline_install_hooks(model, prefix="m.")
+    expected = sorted((f"m.{i}.{kind}", act) for i in (0, 1) for kind in ("weight", "bias")
+                      for act in ("FORWARD", "BACKWARD"))
+    saved = _recorder.current
+    try:
+        for step in ("both installed", "first removed", "second removed"):
+            if step == "first removed":
+                first.remove()
+            elif step == "second removed":
+                second.remove()
+            rec = _recorder.current = _recorder.Recorder()
+            model(torch.randn(4, 3)).sum().backward()
+            recorded = sorted((name, activity) for ph, _, name, activity, _ in rec.events if ph != "T")
+            assert recorded == ([] if step == "second removed" else expected), (step, recorded)
+    finally:
+        _recorder.current = saved
+        second.remove()
+
+
 def test_forward_spans_tile_the_models_forward_pass():
     """Work between the modules that own parameters (activations, pooling) is compute too:
     each FORWARD begins where the previous one ended (the first at the model's forward),
