@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mpi_helpers import REPO, run_agents, run_bounded
 
 BENCH = os.path.join(REPO, "examples", "benchmarks")
@@ -135,6 +137,40 @@ def test_floor_benchmark_checks_its_average_and_reports_three_methods(tmp_path):
     times = {row["key"]["method"]: row["values"]["median_s"] for row in result["rows"]}
     assert set(times) == {"raw", "minimal", "bf"}
     assert all(0 < t < 1 for t in times.values()), times
+
+
+@pytest.mark.parametrize("script, args, wrong", [
+    ("bench_neighbor_allreduce.py", ["--sizes", "4K", "--trials", "1", "--no-gloo"], "bf != raw"),
+    ("bench_fusion.py", ["--trials", "1", "--max-reps", "2", "--count", "4"], "one_op != raw")])
+def test_a_library_call_that_computes_the_wrong_thing_stops_the_benchmark(tmp_path, script, args, wrong):
+    """neighbor_allreduce replaced by a copy of its input: the script compares the
+    library's first result with the raw baseline's and stops on every agent, writing no
+    figures (a broken call timed as a very fast one)."""
+    out_json = tmp_path / "out.json"
+    rc, out = run_agents(2, "bench_broken_library.py", os.path.join(BENCH, script), *args, "--json", out_json,
+                         timeout=120, expect_ok=False)
+    assert rc != 0 and not out_json.exists(), out[-3000:]
+    assert out.count("benchmark stopped: results differ on agents 0: " + wrong + "; 1: " + wrong) == 2, out[-3000:]
+
+
+def test_benchmark_arguments_are_checked_before_anything_runs():
+    """Sizes take K/M/G with an optional B or iB; a misspelt choice or a count of 0 is
+    a usage error naming it (a misspelt topology measured the dynamic one under its name)."""
+    import argparse
+    import _bench
+    assert [_bench.parse_size(s) for s in ("4K", "4kb", "4KiB", "1M", "100", "1.5K")] == [
+        4096, 4096, 4096, 1 << 20, 100, 1536]
+    for bad in ("4X", "", "0", "-1K", "KB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+            _bench.parse_size(bad)
+    for script, args, message in (
+            ("bench_neighbor_allreduce.py", ["--topologies", "statc"], "unknown 'statc': choose from static"),
+            ("bench_windows.py", ["--parts", "rmma"], "unknown 'rmma': choose from rma"),
+            ("bench_neighbor_allreduce.py", ["--trials", "0"], "'0' is not a whole number >= 1"),
+            ("bench_timeline.py", ["--steps", "0"], "'0' is not a whole number >= 1")):
+        proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+        assert proc.returncode == 2 and message in proc.stderr, (script, proc.stderr[-2000:])
 
 
 def test_idle_benchmark_reports_both_settings(tmp_path):

@@ -4,6 +4,7 @@ Import this module first: it pins one BLAS/OpenMP thread per agent before
 numpy or torch start their thread pools (agents share cores; idle OpenBLAS
 threads spin, ../shared/LIMITS.md point 2).
 """
+import argparse
 import json
 import os
 import socket
@@ -16,10 +17,46 @@ import numpy as np  # noqa: E402  (after the thread settings on purpose)
 
 
 def parse_size(text):
-    """'4K' -> 4096, '1M' -> 1048576, '100' -> 100 (bytes)."""
-    text = text.strip()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
-    return int(float(text.rstrip("kKmMgG")) * mult)
+    """'4K' -> 4096, '1M' -> 1048576, '100' -> 100 (bytes); 4KB and 4KiB mean 4K too.
+    Raises argparse.ArgumentTypeError naming the accepted forms."""
+    body = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(body[-1:], 1)
+    try:
+        nbytes = int(float(body.rstrip("KMG")) * mult)
+    except ValueError:
+        nbytes = -1
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with K, M or G "
+                                         "(4K = 4KB = 4KiB = 4096 bytes)")
+    return nbytes
+
+
+def size_list(text):
+    """An argparse type: a comma list of sizes (parse_size) -> [bytes]."""
+    return [parse_size(s) for s in text.split(",")]
+
+
+def choice_list(choices):
+    """An argparse type: a comma list of words, each one of choices -> [words]."""
+    def parse(text):
+        words = text.split(",")
+        bad = [w for w in words if w not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}: choose from "
+                                             f"{', '.join(choices)}")
+        return words
+    return parse
+
+
+def positive_int(text):
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def size_label(nbytes):
@@ -29,19 +66,22 @@ def size_label(nbytes):
 
 
 def reps_for(nbytes, budget_bytes=2e7, lo=3, hi=300):
-    """Calls per timed block: about budget_bytes moved, between lo and hi calls."""
-    return max(lo, min(hi, int(budget_bytes // max(nbytes, 1))))
+    """Calls per timed block: about budget_bytes moved, between lo and hi calls
+    (hi wins where it is below lo: --max-reps is a bound)."""
+    return min(hi, max(lo, int(budget_bytes // max(nbytes, 1))))
 
 
-def interleaved(methods, reps, trials, comm):
+def interleaved(methods, reps, trials, comm, same=()):
     """{name: (median, min, max)} over trials of the slowest agent's mean seconds per call.
 
     Methods run in rounds (A B C A B C ...), each block preceded by a barrier,
     so drift of the machine's load hits every method alike. One untimed call of
-    each method first (connections, buffers, allocator)."""
+    each method first (connections, buffers, allocator); same: (name, reference)
+    pairs of methods whose first results must agree (check_same), so that a
+    library call that computes the wrong thing cannot look fast."""
     from mpi4py import MPI
-    for fn in methods.values():
-        fn()
+    first = {name: fn() for name, fn in methods.items()}
+    check_same(first, same, comm)
     samples = {name: [] for name in methods}
     for _ in range(trials):
         for name, fn in methods.items():
@@ -52,6 +92,25 @@ def interleaved(methods, reps, trials, comm):
             dt = (time.perf_counter() - t0) / reps
             samples[name].append(comm.allreduce(dt, op=MPI.MAX))
     return {name: spread(v) for name, v in samples.items()}
+
+
+def check_same(results, pairs, comm, rtol=1e-4, atol=1e-5):
+    """Stop the benchmark on every agent (SystemExit naming the methods) unless, on
+    every agent, results[name] equals results[reference] for each (name, reference)
+    in pairs. A result is an array, a tensor, or a list of them (concatenated)."""
+    def flat(value):
+        if isinstance(value, (list, tuple)):
+            return np.concatenate([flat(v) for v in value]) if value else np.empty(0)
+        if hasattr(value, "cpu"):       # a torch tensor, maybe on a device
+            value = value.detach().cpu().numpy()
+        return np.asarray(value, dtype=np.float64).ravel()
+    wrong = [f"{name} != {ref}" for name, ref in pairs
+             if not (flat(results[name]).shape == flat(results[ref]).shape
+                     and np.allclose(flat(results[name]), flat(results[ref]), rtol=rtol, atol=atol))]
+    agents = comm.allgather(wrong)
+    if any(agents):
+        raise SystemExit("benchmark stopped: results differ on agents "
+                         + "; ".join(f"{r}: {', '.join(w)}" for r, w in enumerate(agents) if w))
 
 
 def spread(values):
@@ -120,16 +179,20 @@ def init_gloo(comm):
     return dist
 
 
-def add_common_arguments(parser, trials=5):
-    parser.add_argument("--trials", type=int, default=trials, help="timed rounds per method")
-    parser.add_argument("--max-reps", type=int, default=300, help="at most this many calls per timed block")
+def add_common_arguments(parser, trials=5, max_reps=True):
+    parser.add_argument("--trials", type=positive_int, default=trials, help="timed rounds per method")
+    if max_reps:
+        parser.add_argument("--max-reps", type=positive_int, default=300,
+                            help="at most this many calls per timed block")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="rank 0 writes the results here as JSON (rows of key + values)")
 
 
 def write_json(path, bench, agents, params, rows):
-    """rows: list of {"key": {...}, "values": {name: float}}. Does nothing when path is None."""
+    """rows: list of {"key": {...}, "values": {name: float}}. Does nothing when path is None.
+    The file appears whole or not at all (written aside, then renamed)."""
     if path is None:
         return
-    with open(path, "w") as f:
+    with open(path + ".part", "w") as f:
         json.dump({"bench": bench, "agents": agents, "params": params, "rows": rows}, f, indent=1)
+    os.replace(path + ".part", path)

@@ -135,7 +135,7 @@ def training_section(results):
             r = v.get(f"{m}/ddp")
             target = verdict(r, 1.0, le=False) if m == "awc" else ""
             rows.append([METHOD_NAMES.get(m, m), fmt(v[f"{m}_samples_per_s"], spec=".0f"),
-                         fmt(v[f"{m}_step_s"], 1e3), ratio(r) if r else "1.00", target])
+                         fmt(v[f"{m}_step_s"], 1e3), ratio(r) if r else ("1.00" if m == "ddp" else "–"), target])
         out.append(f"### Training throughput, {e['agents']} agents\n\nModel: {p['model']}, batch {p['batch']} "
                    f"per agent, SGD with momentum; samples/s over all agents.\n\n" + table(
                        ["optimizer", "samples/s", "step (ms)", "throughput / DDP", "target"], rows))

@@ -11,8 +11,8 @@ even ones, so that a slow drift of the host's load affects both sides alike.
 
 A single launch on this host moves by 10-20% with the load (docs/performance.md),
 more than most changes to the library; pairs launched back to back are what tells
-a change of a few percent. Each launch writes its JSON (--json, which every
-benchmark script accepts); the tool prints, per row of the script's results and
+a change of a few percent. Each launch writes its JSON (--json, which the bench_*
+scripts accept but for bench_bftimeline and bench_device_overlap); the tool prints, per row of the script's results and
 per value, the figure of each side in every pair, the two means, B/A of the means
 and in how many pairs B was lower. --values keeps only some values (e.g. bf/raw).
 """
@@ -56,6 +56,14 @@ def library_of(tree):
                             "os.path.realpath(bluefog_lite.__file__)))"],
                            env=env, cwd=HERE, capture_output=True, text=True)
     return probe.stdout.strip()
+
+
+def takes_json(script):
+    """Whether script has the --json option (from its --help, which runs no MPI)."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    usage = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"], env=env, cwd=HERE,
+                           capture_output=True, text=True)
+    return "--json" in usage.stdout
 
 
 def launch(tree, script, agents, args, stem, timeout):
@@ -118,6 +126,8 @@ def main(argv=None):
     script = os.path.basename(args.script)
     if not os.path.exists(os.path.join(HERE, script)):
         ap.error(f"no benchmark script {script!r} in {HERE}")
+    if not takes_json(script):
+        ap.error(f"{script} writes no JSON results (it has no --json option): nothing to compare")
     if run_all.default_mpiexec() is None:
         raise SystemExit("ab.py: no mpiexec found (pip install mpich)")
     work = tempfile.mkdtemp(prefix="bluefog_ab_")

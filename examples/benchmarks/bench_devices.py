@@ -18,7 +18,7 @@ from bluefog_lite._mpi import MPI
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="4K,1M,16M", help="bytes per tensor, comma-separated")
+    ap.add_argument("--sizes", type=_bench.size_list, default="4K,1M,16M", help="bytes per tensor, comma-separated")
     _bench.add_common_arguments(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -26,7 +26,7 @@ def main():
     bf.init()
     comm = MPI.COMM_WORLD.Dup()
     rows = []
-    for nbytes in map(_bench.parse_size, args.sizes.split(",")):
+    for nbytes in args.sizes:
         host = torch.randn(nbytes // 4)
         device = host.cuda()
 
@@ -37,11 +37,13 @@ def main():
             torch.cuda.synchronize()
 
         def on_device():
-            bf.neighbor_allreduce(device, name="bench.device")
+            out = bf.neighbor_allreduce(device, name="bench.device")
             torch.cuda.synchronize()
+            return out
         methods = {"host": lambda: bf.neighbor_allreduce(host, name="bench.host"), "device": on_device,
                    "copies": copies}
-        times = _bench.interleaved(methods, _bench.reps_for(nbytes, hi=args.max_reps), args.trials, comm)
+        times = _bench.interleaved(methods, _bench.reps_for(nbytes, hi=args.max_reps), args.trials, comm,
+                                   same=[("device", "host")])
         rows.append({"key": {"bytes": nbytes}, "values": {k: v[0] for k, v in times.items()}})
         if bf.rank() == 0:
             ms = {k: v[0] * 1e3 for k, v in times.items()}

@@ -76,13 +76,14 @@ class MinimalExchange:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="4K", help="bytes per call (float32)")
-    ap.add_argument("--reps", type=int, default=300, help="calls per timed block")
-    ap.add_argument("--methods", default="raw,minimal,bf", help="which of raw,minimal,bf to time")
+    ap.add_argument("--size", type=_bench.parse_size, default="4K", help="bytes per call (float32)")
+    ap.add_argument("--reps", type=_bench.positive_int, default=300, help="calls per timed block")
+    ap.add_argument("--methods", type=_bench.choice_list(("raw", "minimal", "bf")), default="raw,minimal,bf",
+                    help="which of raw,minimal,bf to time")
     ap.add_argument("--yield-window", type=float, default=3e-4, help="seconds of yielding before sleeping")
-    _bench.add_common_arguments(ap, trials=7)
+    _bench.add_common_arguments(ap, trials=7, max_reps=False)
     args = ap.parse_args()
-    nbytes = _bench.parse_size(args.size)
+    nbytes = args.size
     bf.init(topology_fn=topology.ExponentialTwoGraph)
     torch.set_num_threads(1)
     ins, outs = bf.in_neighbor_ranks(), bf.out_neighbor_ranks()
@@ -99,11 +100,9 @@ def main():
     t = torch.from_numpy(x)
     methods = {"raw": _bench.raw_static(graph_comm, x, ins), "minimal": minimal,
                "bf": lambda: bf.neighbor_allreduce(t, name="bench.floor")}
-    wanted = args.methods.split(",")
-    unknown = sorted(set(wanted) - set(methods))
-    if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
-    res = _bench.interleaved({m: methods[m] for m in wanted}, args.reps, args.trials, comm)
+    wanted = args.methods
+    res = _bench.interleaved({m: methods[m] for m in wanted}, args.reps, args.trials, comm,
+                             same=[(m, "raw") for m in wanted if m != "raw" and "raw" in wanted])
     sleeps = comm.allreduce(minimal.sleeps)
     eng = state().engine
     by_callers = comm.allreduce(eng.driven_by_callers)

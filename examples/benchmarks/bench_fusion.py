@@ -7,7 +7,9 @@
 - one op: bf.neighbor_allreduce of one tensor of count * size bytes;
 - raw: one Neighbor_allgather of count * size bytes on a dist-graph communicator
   + the numpy weighted sum (the baseline of bench_neighbor_allreduce.py).
-Exp-2 graph, float32; methods alternate in rounds; median over trials of the
+Exp-2 graph, float32; the three compute the same average (the small tensors are
+the large one's pieces), and their first results are compared (the script stops if
+they differ); methods alternate in rounds; median over trials of the
 slowest agent's mean seconds per call.
 """
 import argparse
@@ -23,26 +25,25 @@ from bluefog_lite._runtime import state
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--count", type=int, default=64)
-    ap.add_argument("--size", default="16K", help="bytes per small op")
+    ap.add_argument("--count", type=_bench.positive_int, default=64)
+    ap.add_argument("--size", type=_bench.parse_size, default="16K", help="bytes per small op")
     _bench.add_common_arguments(ap)
     args = ap.parse_args()
-    nbytes = _bench.parse_size(args.size)
+    nbytes = args.size
     bf.init(topology_fn=topology.ExponentialTwoGraph)
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD.Dup()
     graph_comm = comm.Create_dist_graph_adjacent(bf.in_neighbor_ranks(), bf.out_neighbor_ranks(),
                                                  reorder=False)
     small = [torch.rand(nbytes // 4) for _ in range(args.count)]
-    big = torch.rand(args.count * nbytes // 4)
+    big = torch.cat(small)      # the same numbers: all three methods' results are compared
 
     calls = [0]
 
     def fused():
         calls[0] += 1
         handles = [bf.neighbor_allreduce_nonblocking(t, name=f"bench.fuse.{i}") for i, t in enumerate(small)]
-        for h in handles:
-            bf.synchronize(h)
+        return [bf.synchronize(h) for h in handles]
 
     methods = {"raw": _bench.raw_static(graph_comm, big.numpy(), bf.in_neighbor_ranks()),
                "one_op": lambda: bf.neighbor_allreduce(big, name="bench.fuse.one"),
@@ -50,7 +51,7 @@ def main():
     reps = min(args.max_reps, 20)
     stats = state().engine.stream.stats
     before = {k: stats[k] for k in ("fused_groups", "fused_joined_copies")}
-    res = _bench.interleaved(methods, reps, args.trials, comm)
+    res = _bench.interleaved(methods, reps, args.trials, comm, same=[("one_op", "raw"), ("fused", "raw")])
     # how the calls were cut into groups (summed over agents, per fused call of one agent)
     groups, copies = (comm.allreduce(stats[k] - before[k]) / max(1, comm.allreduce(calls[0]))
                       for k in ("fused_groups", "fused_joined_copies"))

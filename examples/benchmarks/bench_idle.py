@@ -37,7 +37,7 @@ def compute_rate(seconds):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="compute time per round")
-    _bench.add_common_arguments(ap)
+    _bench.add_common_arguments(ap, max_reps=False)
     args = ap.parse_args()
     bf.init()
     torch.set_num_threads(1)

@@ -44,12 +44,12 @@ def reset_peak():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="64M")
-    ap.add_argument("--ops", type=int, default=4, help="ops in all (the first allocates the buffers)")
+    ap.add_argument("--size", type=_bench.parse_size, default="64M")
+    ap.add_argument("--ops", type=_bench.positive_int, default=4, help="ops in all (the first allocates the buffers)")
     ap.add_argument("--mode", choices=["bf", "raw"], default="bf")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")
     args = ap.parse_args()
-    nbytes = _bench.parse_size(args.size)
+    nbytes = args.size
     bf.init(topology_fn=topology.ExponentialTwoGraph)
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD.Dup()

@@ -13,7 +13,8 @@ Exp-2 graph (topology.ExponentialTwoGraph), float32, uniform weights 1/(k+1).
 - gloo: dist.all_reduce of the same tensor over all agents, then div_ by the
   agent count (an average, what a user of torch.distributed would run instead).
 
-Methods alternate in rounds; each figure is the median over trials of the slowest
+The library's result is checked against the raw baseline's first (the script stops
+if they differ). Methods alternate in rounds; each figure is the median over trials of the slowest
 agent's mean seconds per call. Ratios are taken from the figures of this run.
 """
 import argparse
@@ -66,18 +67,18 @@ def measure(kind, nbytes, comm, graph_comm, dist, args):
         methods = {"raw": _bench.raw_dynamic(comm, x_np, steps), "bf": bf_dynamic(x, steps)}
     if dist is not None:
         methods["gloo"] = gloo_average(dist, x.clone(), size)
-    return _bench.interleaved(methods, _bench.reps_for(nbytes, hi=args.max_reps), args.trials, comm)
+    return _bench.interleaved(methods, _bench.reps_for(nbytes, hi=args.max_reps), args.trials, comm,
+                              same=[("bf", "raw")])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    ap.add_argument("--topologies", default="static,dynamic")
+    ap.add_argument("--sizes", type=_bench.size_list, default="4K,64K,1M,16M,64M")
+    ap.add_argument("--topologies", type=_bench.choice_list(("static", "dynamic")), default="static,dynamic")
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed baseline")
     _bench.add_common_arguments(ap)
     args = ap.parse_args()
-    sizes = [_bench.parse_size(s) for s in args.sizes.split(",")]
-    kinds = args.topologies.split(",")
+    sizes, kinds = args.sizes, args.topologies
     bf.init(topology_fn=topology.ExponentialTwoGraph)
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD.Dup()

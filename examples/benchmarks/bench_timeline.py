@@ -76,11 +76,11 @@ def disabled_site_ns():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=25, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=40, help="off/on round pairs")
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=_bench.positive_int, default=25, help="steps per round")
+    ap.add_argument("--rounds", type=_bench.positive_int, default=40, help="off/on round pairs")
+    ap.add_argument("--width", type=_bench.positive_int, default=256)
+    ap.add_argument("--layers", type=_bench.positive_int, default=4)
+    ap.add_argument("--batch", type=_bench.positive_int, default=64)
     ap.add_argument("--dir", default=None,
                     help="keep the timeline files here (default: a temporary folder, removed at the end)")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")

@@ -87,9 +87,9 @@ def run_steps(model, opt, batches, start, steps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=_bench.positive_int, default=20, help="steps per round")
+    ap.add_argument("--rounds", type=_bench.positive_int, default=5)
+    ap.add_argument("--batch", type=_bench.positive_int, default=32)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")
     args = ap.parse_args()

@@ -261,14 +261,13 @@ def json_rows(rows, busy, side):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="4K,64K,1M,16M")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per measurement")
-    ap.add_argument("--parts", default="rma,busy,side",
+    ap.add_argument("--sizes", type=_bench.size_list, default="4K,64K,1M,16M")
+    ap.add_argument("--rounds", type=_bench.positive_int, default=5, help="interleaved rounds per measurement")
+    ap.add_argument("--parts", type=_bench.choice_list(("rma", "busy", "side")), default="rma,busy,side",
                     help="comma list of: rma (ops vs raw RMA), busy (busy target), side (side effects)")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results here as JSON")
     args = ap.parse_args()
-    parts = set(args.parts.split(","))
-    sizes = [_bench.parse_size(s) for s in args.sizes.split(",")]
+    parts, sizes = set(args.parts), args.sizes
     bf.init()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD.Dup()

@@ -63,7 +63,10 @@ def plan(quick, agent_counts, main_agents):
 
 def launch(script, agents, args, json_path, log_path, timeout, work, library=REPO):
     """Run one benchmark launch, with the bluefog_lite of the tree ``library``
-    first on the path; True when it exited 0 and wrote its JSON."""
+    first on the path; True when it exited 0 and wrote its JSON. A launch that
+    failed keeps what JSON it wrote as json_path + ".failed" (--resume must not take
+    it); one interrupted here (Ctrl-C: the launch runs in its own session, out of the
+    terminal's reach) is taken down before the interrupt goes on."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = library + os.pathsep + env.get("PYTHONPATH", "")
     extra = ["--dir", os.path.join(work, "timeline")] if script == "bench_timeline.py" else []
@@ -81,7 +84,27 @@ def launch(script, agents, args, json_path, log_path, timeout, work, library=REP
             proc.wait()
             log.write(f"\nrun_all: killed after {timeout} s\n")
             rc = None
+        except BaseException:
+            stop(proc)
+            log.write("\nrun_all: interrupted\n")
+            raise
+        finally:
+            if (proc.returncode != 0 or rc is None) and os.path.exists(json_path):
+                os.replace(json_path, json_path + ".failed")
     return rc == 0 and os.path.exists(json_path)
+
+
+def stop(proc, grace=5):
+    """Take a launch's process group down: SIGTERM (mpiexec passes it on to the
+    ranks), then SIGKILL after grace seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
 
 
 def summarize(runs):
@@ -147,7 +170,11 @@ def main():
     if args.report_only:
         if not args.work:
             ap.error("--report-only needs --work (the folder of an earlier run)")
-        with open(os.path.join(args.work, "results.json")) as f:
+        path = os.path.join(args.work, "results.json")
+        if not os.path.exists(path):
+            ap.error(f"{path} does not exist: only a run that finished writes it (finish a cut-off run "
+                     "with --resume --work DIR)")
+        with open(path) as f:
             results = json.load(f)
         write_outputs(results, args.docs or default_docs(results["meta"]["quick"], args.work), args.work)
         return
