@@ -996,13 +996,18 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
     (backward order: reversed model.parameters()), whichever parameters its
     forward pass used: an agent without a gradient for a parameter (a branch it
     did not take) contributes zeros and gets the average as its gradient, as in
-    Horovod. Where no agent had one (the average is exactly zero), the gradient
-    stays None, so the wrapped optimizer skips the parameter as it would alone."""
+    Horovod. Where no agent had one, the gradient stays None, so the wrapped
+    optimizer skips the parameter as it would alone: in a step where some
+    averages are exactly zero, one small allreduce counts, for those parameters,
+    the agents that had a gradient (every agent sees the same averages, so all
+    take part; no step pays for it otherwise)."""
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, name_prefix=None):
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._passes = {}
         self._filled = set()        # ids of parameters given a zero gradient this step
+        self._index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        self._zero_averages = []    # (index, parameter, had a gradient here) whose average is all zeros
         self._averaged = {}         # id of a parameter -> (name, its gradient, version) sent this step
         self._in_order = _InOrder([n for n, _ in self._named][::-1], self._start, self._refuse_second_pass,
                                   self._param_of)   # (frozen ones too: zeros, as in Bluefog)
@@ -1088,12 +1093,33 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                 "replaced before step()), so its average would undo the change or take part of it. "
                 "Call opt.synchronize() first, then change the averaged gradients, then step() inside "
                 "`with opt.skip_synchronize():`")
-        if id(p) in self._filled:
-            self._filled.discard(id(p))
-            if not result.any():    # no agent had a gradient for it
-                p.grad = None
-                return
+        had = id(p) not in self._filled
+        self._filled.discard(id(p))
         p.grad.copy_(result)
+        flat = result.reshape(-1)
+        if not (flat.numel() and flat[0]) and not flat.any():    # (the first element: a quick no)
+            self._zero_averages.append((self._index[id(p)], p, had))
+
+    def _synchronize(self):
+        self._zero_averages = []
+        super()._synchronize()
+        self._drop_unused_gradients()
+
+    def _drop_unused_gradients(self):
+        """Set the gradient to None where no agent had one. Only the parameters whose
+        average is all zeros can be such (the same ones on every agent: an allreduce
+        gives every agent the same result); for them, one allreduce counts the agents
+        that had a gradient. (Deciding from the zeros alone left the gradient of an
+        agent whose own gradient was zero in place while the others dropped theirs:
+        weight decay and momentum then moved that agent's copy only.)"""
+        zeros, self._zero_averages = sorted(self._zero_averages, key=lambda z: z[0]), []
+        if not zeros:
+            return
+        had = torch.tensor([z[2] for z in zeros], dtype=torch.int32)
+        users = ops.allreduce(had, average=False, name=self._prefix + "#gradient_users")
+        for (_, p, _), n in zip(zeros, users.tolist()):
+            if n == 0:
+                p.grad = None
 
     def step(self, closure=None):
         loss = self._run_closure(closure)

@@ -6,7 +6,9 @@ Reference: every agent simulates all agents with plain torch (no communication),
 the wrapper's update written out by hand:
 - gar: the gradient averaged over agents, zeros where an agent did not use a
   parameter; a parameter no agent used keeps grad None (SGD skips it: its weight
-  decay would move it);
+  decay would move it), but one used by one agent whose gradient is exactly zero
+  (branch e, behind a dead ReLU) gets the zero average on every agent, and weight
+  decay (before, the agents without it dropped it and only that agent decayed);
 - awc: m = combine_r(x), x_r <- m - lr * (grad_r(x_r) + wd * m);
 - atc: x_r <- combine_r(x_k - lr * (grad_k(x_k) + wd * x_k)),
 where combine_r is the mean (allreduce) or agent r's column of the mixing matrix
@@ -52,10 +54,14 @@ class Branchy(torch.nn.Module):
         super().__init__()
         self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
         self.d = torch.nn.Linear(3, 4)          # never used
+        self.e = torch.nn.Linear(3, 4)          # used by one agent per step, behind a dead ReLU
         self.head = torch.nn.Linear(4, 1)
 
-    def forward(self, x, branch):
-        return self.head(torch.tanh(self.a(x) if branch == "a" else self.b(x)))
+    def forward(self, x, branch, dead=False):
+        out = self.head(torch.tanh(self.a(x) if branch == "a" else self.b(x)))
+        if dead:    # e's gradient: exactly zero
+            out = out + torch.relu(self.e(x)).sum(-1, keepdim=True)
+        return out
 
 
 def branch(r, t):
@@ -70,7 +76,7 @@ def batch(r, t):
 
 def loss_of(model, r, t):
     x, y = batch(r, t)
-    return torch.nn.functional.mse_loss(model(x, branch(r, t)), y)
+    return torch.nn.functional.mse_loss(model(x, branch(r, t), dead=(r + t) % size == 0), y)
 
 
 def grads(model, r, t):
@@ -82,6 +88,8 @@ def grads(model, r, t):
 
 torch.manual_seed(0)
 start = Branchy().double()
+with torch.no_grad():
+    start.e.bias.fill_(-100.0)
 assert len({branch(r, t) for r in range(size) for t in range(STEPS)}) == 2
 
 # ---- the reference: all agents simulated here ---------------------------------------------
