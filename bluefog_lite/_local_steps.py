@@ -22,6 +22,28 @@ def _decayed(p, grad, group):
     return grad.add(p, alpha=wd) if wd else grad
 
 
+def _parts_of_complex(rule):
+    """rule as torch.optim applies it to a complex parameter: to the pairs of real
+    numbers the parameter, its gradient and its state hold (view_as_real), so that
+    squares and roots are taken per part (complex arithmetic would mix them). State
+    the rule creates is kept complex, as torch keeps it."""
+    def step(p, grad, group, state):
+        if not torch.is_complex(p):
+            return rule(p, grad, group, state)
+        real_p = torch.view_as_real(p)
+        views = {k: torch.view_as_real(v) for k, v in state.items() if torch.is_tensor(v) and v.is_complex()}
+        parts = {**state, **views}
+        rule(real_p, torch.view_as_real(grad), group, parts)
+        for k, v in parts.items():
+            if v is views.get(k):
+                continue          # (updated in place)
+            if torch.is_tensor(v) and v.shape == real_p.shape and not v.is_complex():
+                v = torch.view_as_complex(v)
+            state[k] = v
+    step.__name__, step.__doc__ = rule.__name__, rule.__doc__
+    return step
+
+
 def sgd_step(p, grad, group, state):
     grad = _decayed(p, grad, group)
     momentum = group.get("momentum", 0)
@@ -35,13 +57,21 @@ def sgd_step(p, grad, group, state):
     p.add_(grad, alpha=-group["lr"])
 
 
+def _refuse_sparse(grad, optimizer):
+    if grad.is_sparse:
+        raise TypeError(f"{optimizer} does not take sparse gradients (nor does torch.optim.{optimizer}): "
+                        "make them dense (nn.Embedding(..., sparse=False)), or use SGD or Adagrad")
+
+
 def _refuse_amsgrad(group):
     if group.get("amsgrad", False):
         raise ValueError("the per-parameter Adam step does not implement amsgrad; "
                          "register your own with bf.register_step_function")
 
 
+@_parts_of_complex
 def adam_step(p, grad, group, state):
+    _refuse_sparse(grad, "Adam")
     _refuse_amsgrad(group)     # (turned on after wrapping: refused before any state changes)
     if not state:
         state["step"] = torch.tensor(0.0)
@@ -62,7 +92,9 @@ def adam_step(p, grad, group, state):
     p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
 
 
+@_parts_of_complex
 def rmsprop_step(p, grad, group, state):
+    _refuse_sparse(grad, "RMSprop")
     if not state:
         state["step"] = torch.tensor(0.0)
         state["square_avg"] = torch.zeros_like(p)
@@ -86,18 +118,31 @@ def rmsprop_step(p, grad, group, state):
         p.addcdiv_(grad, avg, value=-group["lr"])
 
 
+@_parts_of_complex
 def adagrad_step(p, grad, group, state):
+    if grad.is_sparse and (group.get("weight_decay", 0) or torch.is_complex(p)):
+        raise TypeError("Adagrad takes a sparse gradient only without weight_decay and for a real "
+                        "parameter (as torch.optim.Adagrad)")
     if not state:
         state["step"] = torch.tensor(0.0)
         state["sum"] = torch.full_like(p, group.get("initial_accumulator_value", 0))
     state["step"] += 1
-    grad = _decayed(p, grad, group)
     clr = group["lr"] / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0))
+    if grad.is_sparse:      # (nn.Embedding(sparse=True)): only the rows it has
+        grad = _signed(grad, group).coalesce()
+        index, values = grad._indices(), grad._values()
+        state["sum"].add_(torch.sparse_coo_tensor(index, values * values, grad.shape))
+        root = state["sum"].sparse_mask(grad)._values().sqrt_().add_(group["eps"])
+        p.add_(torch.sparse_coo_tensor(index, values / root, grad.shape), alpha=-clr)
+        return
+    grad = _decayed(p, grad, group)
     state["sum"].addcmul_(grad, grad, value=1)
     p.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]), value=-clr)
 
 
+@_parts_of_complex
 def adadelta_step(p, grad, group, state):
+    _refuse_sparse(grad, "Adadelta")
     if not state:
         state["step"] = torch.tensor(0.0)
         state["square_avg"] = torch.zeros_like(p)
