@@ -573,35 +573,47 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             p.copy_(result)
 
-    def _finish_step(self):
+    def _refusal(self):
+        """Why this step must not change any parameter (a message for step() to raise
+        once its communication is done), or None: a parameter the wrapper does not
+        communicate has a gradient. Looked at before the step's local updates, so that
+        a refused step changes nothing and wrapping again goes on from copies that still
+        agree (refused after the update, the wrapped optimizer had moved those
+        parameters on each agent's own gradient)."""
+        thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
+        if thawed:
+            return (f"parameters {thawed[:5]} of the model did not require gradients when {type(self).__name__} "
+                    "was created and now have them: the wrapper does not communicate them, so the agents' copies "
+                    "would drift apart. This step changed no parameter. After unfreezing, call remove_hooks() and "
+                    "wrap the optimizer again")
+        if _registered[0] != self._registered_seen:
+            return self._new_parameters()
+        return None
+
+    def _finish_step(self, refusal=None):
         self._round_over()
         if not self._synced:        # (no synchronize() ended this step's round)
             self._advance_period()
         self._synced, self._stepped = False, True
         _timeline.wrapper_step(self)
-        thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
-        if thawed:
-            raise RuntimeError(
-                f"parameters {thawed[:5]} of the model did not require gradients when {type(self).__name__} "
-                "was created and now have them: the wrapper does not communicate them, so the agents' copies "
-                "would drift apart. After unfreezing, call remove_hooks() and wrap the optimizer again")
-        if _registered[0] != self._registered_seen:
-            self._check_no_new_parameters()
+        if refusal is not None:
+            raise RuntimeError(refusal)
 
-    def _check_no_new_parameters(self):
-        """A parameter or module was registered somewhere since the last look: raise if the
-        model has one the wrapper does not know that has a gradient (a layer added or
-        replaced after wrapping: never communicated, silently)."""
+    def _new_parameters(self):
+        """A parameter or module was registered somewhere since the last look: the refusal
+        if the model has one the wrapper does not know that has a gradient (a layer added
+        or replaced after wrapping: never communicated, silently), else None."""
         known = {id(p) for _, p in self._named} | {id(p) for _, p in self._frozen}
         new = [(n, p) for n, p in self.model.named_parameters() if id(p) not in known]
         used = [n for n, p in new if p.grad is not None]
         if used:
-            raise RuntimeError(
-                f"parameters {used[:5]} were added to the model after {type(self).__name__} was created: the "
-                "wrapper does not communicate them, so the agents' copies would drift apart. Call remove_hooks() "
-                "and wrap the optimizer again (with the new parameters in its groups)")
+            return (f"parameters {used[:5]} were added to the model after {type(self).__name__} was created: the "
+                    "wrapper does not communicate them, so the agents' copies would drift apart. This step changed "
+                    "no parameter. Call remove_hooks() and wrap the optimizer again (with the new parameters in "
+                    "its groups)")
         if not new:     # (else look again: they may get gradients later)
             self._registered_seen = _registered[0]
+        return None
 
     @staticmethod
     def _run_closure(closure):
@@ -855,9 +867,11 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
+        refusal = self._refusal()
         self._step_synchronize()
-        self.optimizer.step()
-        self._finish_step()
+        if refusal is None:
+            self.optimizer.step()
+        self._finish_step(refusal)
         return loss
 
 
@@ -971,8 +985,9 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                                "its local steps ran in them, so it no longer trains the model; wrap the "
                                "optimizer again")
         loss = self._run_closure(closure)
+        refusal = self._refusal()
         with torch.no_grad():
-            for p, group in self._extra():
+            for p, group in self._extra() if refusal is None else ():
                 if p.grad is not None:
                     self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
         try:
@@ -982,7 +997,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         # the wrapped optimizer's step() never runs (its rule ran per parameter): tell a
         # learning-rate scheduler made on it that it stepped, as torch's step() would
         self.optimizer._opt_called = True
-        self._finish_step()
+        self._finish_step(refusal)
         return loss
 
 
@@ -1123,12 +1138,14 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
+        refusal = self._refusal()
         try:
             self._step_synchronize()
         finally:
             self._passes.clear()
-        self.optimizer.step()
-        self._finish_step()
+        if refusal is None:
+            self.optimizer.step()
+        self._finish_step(refusal)
         return loss
 
 
@@ -1203,10 +1220,12 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
+        refusal = self._refusal()
         if self._communicating() and not self._skip_sync:
             self._synchronize()
-        self.optimizer.step()
-        self._finish_step()
+        if refusal is None:
+            self.optimizer.step()
+        self._finish_step(refusal)
         return loss
 
     def free_windows(self):

@@ -143,8 +143,12 @@ for wrapper, kwargs in ((bf.DistributedAdaptWithCombineOptimizer, {"communicatio
     opt.remove_hooks()
 bf.win_free()
 
-def step_refused(opt, net, what, *words):
-    """A training step of net whose opt.step() must raise a RuntimeError containing words."""
+def step_refused(opt, net, what, untouched, *words):
+    """A training step of net whose opt.step() must raise a RuntimeError containing words,
+    leaving the parameters it refuses (untouched: a module) as they were (they were
+    stepped first on each agent's own gradient, and wrapping again went on from copies
+    that no longer agreed)."""
+    before = [p.detach().clone() for p in untouched.parameters()]
     opt.zero_grad()
     net(data).sum().backward()
     try:
@@ -152,6 +156,8 @@ def step_refused(opt, net, what, *words):
         raise AssertionError(f"{type(opt).__name__}: {what} went unnoticed")
     except RuntimeError as exc:
         assert all(w in str(exc) for w in words), exc
+    for old, p in zip(before, untouched.parameters()):
+        assert torch.equal(old, p.detach()), f"{type(opt).__name__}: the refused step moved a parameter ({what})"
 
 
 # 3. A parameter frozen when the wrapper was made, then unfrozen: the wrapper does not
@@ -167,7 +173,8 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
     opt.step()                                # fine while frozen
     net[0].requires_grad_(True)
     base.add_param_group({"params": net[0].parameters()})
-    step_refused(opt, net, "a parameter unfrozen after wrapping", "['0.weight', '0.bias']", "wrap the optimizer again")
+    step_refused(opt, net, "a parameter unfrozen after wrapping", net[0], "['0.weight', '0.bias']",
+                 "wrap the optimizer again")
     opt.remove_hooks()
 
 # 3b. add_param_group on the wrapper adds to the wrapped optimizer (as Bluefog's subclass did;
@@ -191,7 +198,8 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
     net.append(torch.nn.Linear(1, 1, dtype=torch.float64) if wrapper is bf.DistributedAdaptWithCombineOptimizer
                else built_before)
     opt.add_param_group({"params": net[2].parameters()})
-    step_refused(opt, net, "a layer added after wrapping", "parameters ['2.weight', '2.bias'] were added to the model")
+    step_refused(opt, net, "a layer added after wrapping", net[2],
+                 "parameters ['2.weight', '2.bias'] were added to the model")
     opt.remove_hooks()
     if wrapper is bf.DistributedWinPutOptimizer:
         opt.free_windows()
