@@ -844,9 +844,20 @@ class _ForwardCounted:
         super()._advance_period()
         self._count_step(communicated)
 
+    _warned_extra_passes = False
+
     def _count_step(self, communicated):
         """At the end of each round."""
         if communicated:
+            k = self.num_steps_per_communication
+            if k > 1 and max(self._forwards[:-1]) > k and not self._warned_extra_passes:
+                self._warned_extra_passes = True
+                warnings.warn(
+                    f"{type(self).__name__}: {max(self._forwards[:-1])} training passes of the model since its "
+                    f"last communication, with num_steps_per_communication={k}: the passes beyond {k} in this "
+                    "step are not carried over, so the agents communicate less often than every "
+                    f"{k} passes. Make num_steps_per_communication a multiple of the passes per step "
+                    "(Bluefog warns likewise)", stacklevel=4)
             self._forwards[:] = [0] * len(self._forwards)
         else:
             if not self._forwards[-1] and not self._frozen_pass:

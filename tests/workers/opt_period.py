@@ -14,8 +14,10 @@
 3. A parameter unfrozen after wrapping is named by the next step (it would not be
    communicated).
 4. Two wrapped models whose parameters have the same names: name_prefix; or one wrapper
-   over the list of both."""
+   over the list of both.
+5. Passes per step that do not divide k: not carried over, with a warning."""
 import io
+import warnings
 
 import numpy as np
 import torch
@@ -306,6 +308,26 @@ for bad, exc, words in (([models[0], "D"], TypeError, "a non-empty list of them,
         raise AssertionError(f"model={bad!r} accepted")
     except exc as e:
         assert words in str(e), e
+
+# with k=3 and 2 passes per step, the passes beyond k are not carried over (as in Bluefog):
+# steps 2, 4, 6 communicate, and the wrapper warns once (the docs said "the step that follows
+# every k-th pass", i.e. steps 2, 3, 5, 6, and nothing warned)
+model = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+with torch.no_grad():
+    model.weight.copy_(torch.from_numpy(x0[r]).view(1, 2))
+opt = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                              num_steps_per_communication=3)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for s in range(1, 7):
+        opt.zero_grad()
+        (model(data).sum() + model(data).sum()).backward()
+        opt.step()
+        want = (np.linalg.matrix_power(W.T, s // 2) @ x0)[r]
+        assert np.allclose(model.weight.detach().numpy().ravel(), want, rtol=1e-12), (r, s, model.weight, want)
+said = [str(w.message) for w in caught if "not carried over" in str(w.message)]
+assert len(said) == 1 and "4 training passes" in said[0] and "num_steps_per_communication=3" in said[0], said
+opt.remove_hooks()
 
 bf.barrier()
 print(f"AGENT OK {r}", flush=True)
