@@ -1176,7 +1176,14 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         self.window_prefix = self._prefix       # Bluefog's attribute: what the window names start with
         self.force_barrier = False              # Bluefog's knob: step() starts with bf.barrier()
         for name, p in self._named:
-            windows.win_create(p.detach(), self._prefix + name)
+            try:
+                windows.win_create(p.detach(), self._prefix + name)
+            except ValueError as exc:
+                if "already exists" not in str(exc):
+                    raise
+                raise ValueError(f"{exc}. {type(self).__name__} names its windows after the parameters: if "
+                                 "another wrapper's model has parameters of the same names, give one of them a "
+                                 "window_prefix (e.g. window_prefix='D')") from None
         self._count_forwards()
         self._launch_after_forward(self.model, self._put)
 

@@ -47,6 +47,13 @@ for wrapper in (AWC, ATC, GAR):
     raises(TypeError, "name_prefix must be a string, got 3", wrapper, sgd(net.parameters()), net, name_prefix=3)
     raises(ValueError, "name_prefix must be a non-empty string", wrapper, sgd(net.parameters()), net, name_prefix="")
 assert bf.get_current_created_window_names() == []       # the refused ones created none
+# two WinPut wrappers over models with parameters of the same names: the window names collide,
+# and the error says how to tell them apart (it said only "win_free it first")
+other = torch.nn.Linear(3, 2)
+first = WINPUT(sgd(net.parameters()), net)
+raises(ValueError, "give one of them a window_prefix", WINPUT, sgd(other.parameters()), other)
+first.remove_hooks()
+first.free_windows()
 ok = AWC(sgd(net.parameters()), net, num_steps_per_communication=np.int64(2))   # numpy ints are ints
 assert ok.num_steps_per_communication == 2 and type(ok.num_steps_per_communication) is int
 ok.remove_hooks()
