@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import bluefog_lite as bf
+from _cli import output_file, positive_float
 
 RHO = 0.05
 
@@ -108,10 +109,10 @@ def parser(description, steps, short_steps, lr):
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--steps", type=int, default=None, help=f"iterations (default {steps})")
     ap.add_argument("--short", action="store_true", help=f"quick run for the tests ({short_steps} iterations)")
-    ap.add_argument("--lr", type=float, default=lr, help=f"step size (default {lr})")
+    ap.add_argument("--lr", type=positive_float, default=lr, help=f"step size (default {lr})")
     ap.add_argument("--samples", type=int, default=200, help="samples per agent")
     ap.add_argument("--dim", type=int, default=10, help="features, the bias included")
-    ap.add_argument("--save", default=None, help="write the agents' final iterates to this .npy file")
+    ap.add_argument("--save", type=output_file, default=None, help="write the agents' final iterates to this .npy file")
     ap.set_defaults(default_steps=steps, short_steps=short_steps)
     return ap
 

@@ -2,6 +2,19 @@
 and how to look at them."""
 import os
 
+import bluefog_lite as bf
+
+
+def shutdown_and_note():
+    """bf.shutdown() (which closes the timeline files), then, on rank 0, the note of
+    timeline_note, if a timeline was recorded: every example ends with it, after its
+    figure of merit."""
+    rank, size = bf.rank(), bf.size()
+    bf.shutdown()
+    note = timeline_note(size)
+    if note and rank == 0:
+        print(note, flush=True)
+
 
 def timeline_note(size):
     """The lines to print (on one agent), or None when no timeline was recorded."""

@@ -14,7 +14,8 @@ import torch
 
 import bluefog_lite as bf
 import topology as topo
-from _timeline_note import timeline_note
+from _cli import output_file
+from _timeline_note import shutdown_and_note
 
 
 def main():
@@ -23,7 +24,8 @@ def main():
     ap.add_argument("--short", action="store_true", help="a quick run: 10 steps of 1000 entries")
     ap.add_argument("--steps", type=int, default=None, help="default 30 (10 with --short)")
     ap.add_argument("--dim", type=int, default=None, help="entries per agent: default 100000 (1000 with --short)")
-    ap.add_argument("--save", default=None, help="write the agents' final vectors (one row each) to this .npy file")
+    ap.add_argument("--save", type=output_file, default=None,
+                    help="write the agents' final vectors (one row each) to this .npy file")
     args = ap.parse_args()
     args.steps = args.steps if args.steps is not None else 10 if args.short else 30
     args.dim = args.dim if args.dim is not None else 1000 if args.short else 100000
@@ -31,7 +33,6 @@ def main():
         ap.error(f"--steps and --dim must be at least 1, got {args.steps} and {args.dim}")
 
     bf.init(topology_fn=topo.ExponentialTwoGraph)
-    bf_rank, bf_size = bf.rank(), bf.size()
     torch.manual_seed(bf.rank())
     x = torch.randn(args.dim, dtype=torch.float64)
     mean = bf.allreduce(x, name="true_mean")          # the reference every agent should reach
@@ -52,10 +53,7 @@ def main():
         if args.save:
             np.save(args.save, rows.numpy())
         print(f"final distance to the average: {dist:.3e}")
-    bf.shutdown()
-    note = timeline_note(bf_size)
-    if note and bf_rank == 0:
-        print(note)
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

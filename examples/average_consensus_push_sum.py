@@ -32,6 +32,8 @@ import torch
 
 import bluefog_lite as bf
 import topology as topo
+from _cli import non_negative_float, output_file
+from _timeline_note import shutdown_and_note
 
 
 def initial_vector(rank, dim):
@@ -43,14 +45,15 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="iterations per agent (default 200; 120 with --short)")
     ap.add_argument("--short", action="store_true", help="quick run for the tests")
     ap.add_argument("--dim", type=int, default=1000)
-    ap.add_argument("--jitter-ms", type=float, default=1.0, help="scale of the random per-iteration sleeps")
-    ap.add_argument("--save", default=None, help="write the agents' final x and p (one row each: x, then p) "
+    ap.add_argument("--jitter-ms", type=non_negative_float, default=1.0,
+                    help="scale of the random per-iteration sleeps")
+    ap.add_argument("--save", type=output_file, default=None,
+                    help="write the agents' final x and p (one row each: x, then p) "
                     "to this .npy file")
     args = ap.parse_args()
     steps = args.steps if args.steps is not None else (120 if args.short else 200)
-    if min(steps, args.dim) < 1 or args.jitter_ms < 0:
-        ap.error(f"--steps and --dim must be at least 1 and --jitter-ms at least 0, got {steps}, {args.dim}, "
-                 f"{args.jitter_ms}")
+    if min(steps, args.dim) < 1:
+        ap.error(f"--steps and --dim must be at least 1, got {steps} and {args.dim}")
 
     bf.init(topology_fn=lambda n: topo.RingGraph(n, connect_style=2))    # directed: i -> i+1
     rank = bf.rank()
@@ -84,7 +87,7 @@ def main():
             np.save(args.save, rows.numpy())
         print(f"final relative distance of x/p to the average (worst agent): {dists.max().item():.3e}",
               flush=True)
-    bf.shutdown()
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

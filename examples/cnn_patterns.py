@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 import bluefog_lite as bf
 import topology as topo
-from _timeline_note import timeline_note
+from _cli import positive_float
+from _timeline_note import shutdown_and_note
 
 SIDE, CLASSES, MAX_SHIFT, NOISE = 16, 10, 2, 1.0
 
@@ -143,7 +144,7 @@ def main():
     ap.add_argument("--short", action="store_true", help="quick run for the tests")
     ap.add_argument("--samples", type=int, default=640, help="training images per agent")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=positive_float, default=0.05)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the agents train")
     args = ap.parse_args()
     if args.epochs is None:
@@ -166,13 +167,9 @@ def main():
         acc = train(name, args, (images.unsqueeze(1), labels), (test_images.unsqueeze(1), test_labels))
         accs = bf.allgather(acc.reshape(1), name="final_accuracy")
         results.append(f"{name} {100 * accs.mean():.1f} % (worst agent {100 * accs.min():.1f} %)")
-    rank, size = bf.rank(), bf.size()
-    if rank == 0:
+    if bf.rank() == 0:
         print("final test accuracy: " + ", ".join(results), flush=True)
-    bf.shutdown()
-    note = timeline_note(size)
-    if note and rank == 0:
-        print(note)
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 import bluefog_lite as bf
 import topology as topo
 from _logistic import centralized_optimum, finish, gradient, local_problem, parser, report, steps_of
+from _timeline_note import shutdown_and_note
 
 
 def main():
@@ -45,7 +46,7 @@ def main():
         w = bf.synchronize(handle) - args.lr * g
         report(step, w, w_star, every=steps // 10, total=steps)
     finish(w, w_star, args.save)
-    bf.shutdown()
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ the communication thread.
 import bluefog_lite as bf
 import topology as topo
 from _logistic import centralized_optimum, finish, gradient, local_problem, parser, report, steps_of
+from _timeline_note import shutdown_and_note
 
 
 def main():
@@ -57,7 +58,7 @@ def main():
         w = bf.neighbor_allreduce(phi, self_weight=self_weight, src_weights=src_weights, name="w")
         report(step, w, w_star, every=steps // 10, total=steps)
     finish(w, w_star, args.save)
-    bf.shutdown()
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch
 import bluefog_lite as bf
 import topology as topo
 from _logistic import centralized_optimum, finish, gradient, local_problem, parser, report, steps_of
+from _timeline_note import shutdown_and_note
 
 
 def push(x, name, share):
@@ -79,7 +80,7 @@ def main():
         report(step, w, w_star, every=steps // 10, total=steps)
     finish(w, w_star, args.save)
     bf.win_free()
-    bf.shutdown()
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import networkx as nx
 
 import bluefog_lite as bf
 from _logistic import centralized_optimum, finish, gradient, local_problem, parser, report, steps_of
+from _timeline_note import shutdown_and_note
 
 
 def ring_with_a_broadcaster(size):
@@ -74,7 +75,7 @@ def main():
         g = g_new
         report(step, x, w_star, every=steps // 10, total=steps)
     finish(x, w_star, args.save)
-    bf.shutdown()
+    shutdown_and_note()
 
 
 if __name__ == "__main__":

@@ -270,3 +270,19 @@ def test_readme_main_example_trains_and_says_where_its_timeline_is(tmp_path):
     assert [a["rank"] for a in summary["agents"]] == [0, 1, 2, 3]
     assert all(a["time_ms"].get("FORWARD", 0) > 0 and a["time_ms"].get("BACKWARD", 0) > 0
                and a["time_ms"].get("communication", 0) > 0 for a in summary["agents"]), summary["agents"]
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("logistic_regression_dsgd.py", ["--save", "no_such_folder/w.npy"], "does not exist (create it first)"),
+    ("average_consensus.py", ["--save", "."], "is a folder; give a file name"),
+    ("average_consensus_push_sum.py", ["--save", "no_such_folder/x.npy"], "does not exist (create it first)"),
+    ("average_consensus_push_sum.py", ["--jitter-ms", "inf"], "argument --jitter-ms: must be a finite number"),
+    ("logistic_regression_exact_diffusion.py", ["--lr", "nan"], "argument --lr: must be a finite number"),
+    ("cnn_patterns.py", ["--lr", "0"], "argument --lr: must be a finite number above 0, got '0'")])
+def test_examples_refuse_bad_arguments_before_they_start(tmp_path, script, args, message):
+    """A --save path that cannot be written, a NaN/inf or non-positive rate: a usage error at
+    once (they ran to the end, then rank 0's np.save raised and aborted the job; --jitter-ms inf
+    raised on every agent; --lr nan trained to NaN and exited 0)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", script), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
