@@ -63,20 +63,16 @@ def _refuse_sparse(grad, optimizer):
                         "make them dense (nn.Embedding(..., sparse=False)), or use SGD or Adagrad")
 
 
-def _refuse_amsgrad(group):
-    if group.get("amsgrad", False):
-        raise ValueError("the per-parameter Adam step does not implement amsgrad; "
-                         "register your own with bf.register_step_function")
-
-
 @_parts_of_complex
 def adam_step(p, grad, group, state):
     _refuse_sparse(grad, "Adam")
-    _refuse_amsgrad(group)     # (turned on after wrapping: refused before any state changes)
+    amsgrad = group.get("amsgrad", False)
     if not state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(p)
         state["exp_avg_sq"] = torch.zeros_like(p)
+    if amsgrad and "max_exp_avg_sq" not in state:     # (also when amsgrad was turned on later)
+        state["max_exp_avg_sq"] = torch.zeros_like(p)
     beta1, beta2 = group["betas"]
     state["step"] += 1
     t = float(state["step"])
@@ -88,7 +84,10 @@ def adam_step(p, grad, group, state):
         grad = grad.add(p, alpha=wd)
     state["exp_avg"].lerp_(grad, 1 - beta1)
     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
+    second = state["exp_avg_sq"]
+    if amsgrad:     # the largest second moment so far
+        second = torch.maximum(state["max_exp_avg_sq"], second, out=state["max_exp_avg_sq"])
+    denom = (second.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
     p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
 
 
@@ -205,11 +204,7 @@ def step_function_for(optimizer):
                     f"{kind.__name__} overrides step() of {cls.__name__}: DistributedAdaptThenCombineOptimizer "
                     f"would apply {cls.__name__}'s per-parameter rule instead of it. Register its rule with "
                     f"bf.register_step_function({kind.__name__}, fn)")
-            fn = _STEPS[cls]
-            if fn is adam_step:
-                for group in optimizer.param_groups:
-                    _refuse_amsgrad(group)
-            return fn
+            return _STEPS[cls]
     raise NoStepRule(f"DistributedAdaptThenCombineOptimizer has no per-parameter step for "
                     f"{type(optimizer).__name__}; supported: {[c.__name__ for c in _STEPS]}. "
                     "Add one with bf.register_step_function(cls, fn)")

@@ -35,24 +35,41 @@ class CommunicationType(enum.Enum):
 
 
 def _one_model(model):
-    """(the module a wrapper works on, the models the user passed). A list or tuple
-    of modules (Bluefog's other form: a GAN's generator and discriminator, say) is
-    held in one torch.nn.ModuleList, so its parameters are named with the model's
-    index in front (0.weight, 1.weight): names never clash."""
+    """(the module a wrapper works on, [(each model the user passed, the prefix of its
+    parameters' names)]). A list or tuple of modules (Bluefog's other form: a GAN's
+    generator and discriminator, say) is held in one torch.nn.ModuleList; each model's
+    parameters keep the names its own named_parameters() gives them, as in Bluefog,
+    unless two models have a parameter of the same name: then every name gets its
+    model's index in front (0.weight, 1.weight), where Bluefog refused the list."""
     if isinstance(model, (list, tuple)):
         if not model or not all(isinstance(m, torch.nn.Module) for m in model):
             raise TypeError("model must be a torch.nn.Module or a non-empty list of them, got "
                             f"[{', '.join(type(m).__name__ for m in model)}]")
         if len({id(m) for m in model}) != len(model):
             raise ValueError("model lists the same module twice")
-        return torch.nn.ModuleList(model), list(model)
-    return model, [model]
-
-
-def _named_params(model, optimizer):
+        names = [n for m in model for n, _ in m.named_parameters()]
+        clash = len(set(names)) != len(names)
+        return torch.nn.ModuleList(model), [(m, f"{i}." if clash else "") for i, m in enumerate(model)]
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a list of them, got {type(model).__name__}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return model, [(model, "")]
+
+
+def _parameters_of(models):
+    """(name, parameter) of every parameter of the models ((module, prefix) pairs, as
+    _one_model gives them), each once."""
+    seen, named = set(), []
+    for m, prefix in models:
+        for n, p in m.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((prefix + n, p))
+    return named
+
+
+def _named_params(model, every, optimizer):
+    """every: _parameters_of the model(s); those that require gradients, checked."""
+    named = [(n, p) for n, p in every if p.requires_grad]
     in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
     missing = [n for n, p in named if id(p) not in in_opt]
     if missing:
@@ -295,14 +312,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"num_steps_per_communication must be a positive integer, "
                              f"got {num_steps_per_communication!r}")
         state()   # before init() this raises the usual clear error
-        model, self._models = _one_model(model)
+        model, self._model_names = _one_model(model)
+        self._models = [m for m, _ in self._model_names]
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer      # from here on, param_groups and state are the optimizer's
         del self.__dict__["_own_param_groups"], self.__dict__["_own_state"]
         self.model = model
         self.num_steps_per_communication = int(num_steps_per_communication)
-        self._named = _named_params(model, optimizer)
-        self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]   # (checked per step)
+        every = _parameters_of(self._model_names)
+        self._named = _named_params(model, every, optimizer)
+        self._frozen = [(n, p) for n, p in every if not p.requires_grad]   # (checked per step)
         self._registered_seen = _registered[0]     # parameters registered on modules (anywhere) by then
         if self._named_ops:
             self._prefix = _prefix(name_prefix, "name_prefix")  # (another wrapped model may have the same names)
@@ -604,7 +623,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if the model has one the wrapper does not know that has a gradient (a layer added
         or replaced after wrapping: never communicated, silently), else None."""
         known = {id(p) for _, p in self._named} | {id(p) for _, p in self._frozen}
-        new = [(n, p) for n, p in self.model.named_parameters() if id(p) not in known]
+        new = [(n, p) for n, p in _parameters_of(self._model_names) if id(p) not in known]
         used = [n for n, p in new if p.grad is not None]
         if used:
             return (f"parameters {used[:5]} were added to the model after {type(self).__name__} was created: the "
@@ -660,9 +679,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hooked_models(self):
         """(module, prefix of its parameters' names) that get the timeline's hooks: each
         model the user passed (a ModuleList is never called: its models are)."""
-        if self._models == [self.model]:
-            return [(self.model, self._prefix)]
-        return [(m, f"{self._prefix}{i}.") for i, m in enumerate(self._models)]
+        return [(m, self._prefix + prefix) for m, prefix in self._model_names]
 
     def remove_hooks(self):
         """Remove every hook this wrapper installed (for good: a timeline opened later

@@ -80,6 +80,8 @@ def test_gradient_allreduce_with_adam_is_exact():
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
     lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, amsgrad=True),
+    lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, amsgrad=True, maximize=True),
     lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
     lambda p: torch.optim.RMSprop(p, lr=0.01),
     lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),

@@ -293,8 +293,8 @@ def test_optimizer_wrappers_record_compute_and_communication_per_parameter(ops_t
             assert acts.count("FORWARD") == 3 and acts.count("ENQUEUE_WIN_PUT") == 3, (p, acts)
             assert 3 <= acts.count("BACKWARD") <= 6, (p, acts)
         assert not [s for s in t.spans if s[0].startswith("winput")], "rows without the window prefix"
-        for p in ("pair.0.gen1.weight", "pair.0.gen2.bias", "pair.1.disc1.weight", "pair.1.disc2.bias"):
-            acts = t.activities(p, "main")    # a list of models: each model's index in front of its names
+        for p in ("pair.gen1.weight", "pair.gen2.bias", "pair.disc1.weight", "pair.disc2.bias"):
+            acts = t.activities(p, "main")    # a list of models: each model's own names, as in Bluefog
             assert acts.count("FORWARD") == 3 and acts.count("ENQUEUE_NEIGHBOR_ALLREDUCE") == 3, (p, acts)
             assert 3 <= acts.count("BACKWARD") <= 6, (p, acts)
 

@@ -27,8 +27,18 @@ for wrapper in (AWC, ATC, GAR, WINPUT):
            torch.optim.LBFGS(net.parameters()), net)
     raises(TypeError, "model must be a torch.nn.Module or a list of them, got dict", wrapper,
            sgd(net.parameters()), {"net": net})
-    listed = wrapper(sgd(net.parameters()), [net])      # a list of models: index in front of the names
-    assert [n for n, _ in listed._named] == ["0.weight", "0.bias"], listed._named
+    # a list of models: each keeps its own parameter names, as in Bluefog (a WinPut's windows are
+    # named after them: Bluefog code reads them by those names), unless two models' names clash
+    tail = torch.nn.Linear(2, 1)
+    listed = wrapper(sgd([*net.parameters(), *tail.parameters()]), [net, torch.nn.Sequential(tail)])
+    assert [n for n, _ in listed._named] == ["weight", "bias", "0.weight", "0.bias"], listed._named
+    if wrapper is WINPUT:
+        assert sorted(bf.get_current_created_window_names()) == ["0.bias", "0.weight", "bias", "weight"]
+    listed.remove_hooks()
+    if wrapper is WINPUT:
+        listed.free_windows()
+    listed = wrapper(sgd([*net.parameters(), *tail.parameters()]), [net, tail])
+    assert [n for n, _ in listed._named] == ["0.weight", "0.bias", "1.weight", "1.bias"], listed._named
     listed.remove_hooks()
     if wrapper is WINPUT:
         listed.free_windows()
@@ -74,7 +84,6 @@ first.remove_hooks()
 second = ATC(sgd(net.parameters()), net)      # after remove_hooks, a new one may take its place
 second.remove_hooks()
 raises(RuntimeError, "hooks were removed", second.step)   # ATC's local steps ran in its hooks
-raises(ValueError, "does not implement amsgrad", ATC, torch.optim.Adam(net.parameters(), amsgrad=True), net)
 
 # a sparse gradient cannot be averaged by allreduce: named, on every agent, in the backward pass
 emb = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))

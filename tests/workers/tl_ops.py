@@ -159,7 +159,7 @@ for step in range(3):
     net(torch.randn(4, 8)).pow(2).mean().backward()
     opt.step()
 opt.free_windows()
-# a list of models (Bluefog's other form): named with each model's index in the list,
+# a list of models (Bluefog's other form): named as in each model (the names do not clash),
 # the compute spans on the same rows as the communication
 gen, disc = Net("gen"), Net("disc")
 opt = bf.DistributedAdaptWithCombineOptimizer(
