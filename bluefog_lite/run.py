@@ -263,6 +263,8 @@ def _hostfile_problem(path: str) -> Optional[str]:
         if not words:
             continue
         host, colon, count = words[0].partition(":")
+        if "=" in words[0]:     # (a keyword first: " slots=2" was taken for a host name)
+            return f"line {number} {line.strip()!r}: names no host (a line starts with the host name: host slots=4)"
         # (two colons or more: an IPv6 address (Open MPI), or MPICH's host:n:interface: not checked)
         if ":" not in count and (not host or (colon and not _count(count))):
             return (f"line {number} {line.strip()!r}: expected a host name, optionally with a positive process "
@@ -285,12 +287,17 @@ _OPENMPI_KEYWORD = re.compile(r"(?:^|\s)(?:slots|max_slots|max-slots)\s*=")
 
 def _mpich_hostfile(path: str) -> Optional[str]:
     """The text of Open MPI's hostfile ``path`` (``host slots=n``, Bluefog's documented
-    format) in MPICH's format (``host:n``), or None if it uses no Open MPI keyword:
-    Hydra failed on them with a screenful of its own parse errors. Keywords with no
-    MPICH counterpart (max_slots=) are dropped."""
+    format) in MPICH's format (``host:n``), or None if it needs no change: Hydra failed
+    on Open MPI's keywords with a screenful of its own parse errors. Keywords with no
+    MPICH counterpart (max_slots=) are dropped, and so are comments after a host (Hydra
+    takes whole-line comments only); other words after the host are refused (Hydra
+    refused them after starting)."""
     def rewrite(line: str, words: List[str]) -> Optional[str]:
         if not _OPENMPI_KEYWORD.search(" ".join(words[1:])):
-            return None
+            if len(words) > 1:
+                raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes one host per line, as host or "
+                                 f"host:n, with nothing after it ({' '.join(words[1:])!r})")
+            return words[0] if "#" in line else None
         slots = _slots(words)
         if words[0].count(":") >= 2 and slots is not None:
             raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes host:n, which cannot hold the IPv6 "

@@ -180,6 +180,9 @@ def test_missing_hostfile_exits_2_without_a_job(tmp_path, monkeypatch, capsys):
     (":4\n", "line 1 ':4': expected a host name"),
     ("a slots=0\n", "line 1 'a slots=0': slots must be a positive integer"),
     ("\n# nothing\n", "it names no host"),
+    # (a keyword first was taken for a host name: Hydra tried to ssh to "slots=2")
+    (" slots=2\n", "line 1 'slots=2': names no host"),
+    ("a:2\nmax_slots=4\n", "line 2 'max_slots=4': names no host"),
 ])
 def test_bad_hostfile_lines_exit_2_without_a_job(text, words, tmp_path, monkeypatch, capsys):
     # MPICH's launcher died of SIGFPE, silently, on a count that is not a positive integer
@@ -209,6 +212,12 @@ def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
         run._mpich_hostfile(str(tmp_path / "hosts"))
     (tmp_path / "hosts").write_text("node1:2 slots=4\n")
     with pytest.raises(ValueError, match="gives its count twice, as host:n and as slots=n"):
+        run._mpich_hostfile(str(tmp_path / "hosts"))
+    # Hydra takes whole-line comments only ("token # not supported"), and nothing after the host
+    (tmp_path / "hosts").write_text("# first\na:2  # the big one\nb\n")
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) == "# first\na:2\nb\n"
+    (tmp_path / "hosts").write_text("a b\n")
+    with pytest.raises(ValueError, match="takes one host per line, as host or host:n, with nothing after it"):
         run._mpich_hostfile(str(tmp_path / "hosts"))
 
 
