@@ -95,7 +95,10 @@ def tensor_bytes(t):
     try:
         return t.numpy().reshape(-1).view(np.uint8)     # half the cost of the torch route
     except (TypeError, RuntimeError):     # no numpy dtype (bfloat16), needs grad, conjugate bit
-        return t.detach().reshape(-1).view(torch.uint8).numpy()
+        flat = t.detach().reshape(-1)
+        if flat.stride(0) != 1:     # one element: torch calls it contiguous whatever its stride
+            flat = flat.as_strided((1,), (1,))
+        return flat.view(torch.uint8).numpy()
 
 
 _dtype_names = {}      # torch dtype -> "float32"

@@ -64,6 +64,23 @@ for dt, big, tol in ((torch.float16, 2048.0, 2.0 ** -10), (torch.bfloat16, 256.0
     local = bf.allreduce(xl, is_hierarchical_local=True, name=f"ar.half.local.{dt}")
     np.testing.assert_allclose(local.double().numpy(), q[MACHINE].mean(0), rtol=4 * tol, atol=tol)
 
+# a one-element bfloat16 view whose stride is not 1 (m[:, 0] of a (1, 2) matrix): torch calls it
+# contiguous, and its bytes could not be taken (numpy has no bfloat16): the op raised on this
+# agent and the others waited for it
+def one_strided(value):
+    return torch.full((1, 2), float(value), dtype=torch.bfloat16)[:, 0]
+assert one_strided(rank).stride() == (2,) and one_strided(rank).is_contiguous()
+got = bf.allgather(one_strided(rank + 1), name="bf16.strided.gather")
+assert got.tolist() == [float(r + 1) for r in range(size)], got
+target = one_strided(rank + 1)
+assert bf.broadcast_(target, 0, name="bf16.strided.bcast") is target and target.tolist() == [1.0], target
+ins = bf.in_neighbor_ranks()
+got = bf.neighbor_allreduce(one_strided(rank + 1), name="bf16.strided.nar")
+want = (rank + 1 + sum(r + 1 for r in ins)) / (len(ins) + 1)
+assert got.dtype == torch.bfloat16 and abs(got.item() - want) <= 2.0 ** -7 * want, (got, want)
+got = bf.neighbor_allgather(one_strided(rank + 1), name="bf16.strided.nag")
+assert sorted(got.tolist()) == sorted(float(r + 1) for r in ins), (got, ins)
+
 # complex: summed by MPI (C_FLOAT_COMPLEX / C_DOUBLE_COMPLEX), averaged like floats
 for dt, tol in ((np.complex128, 1e-12), (np.complex64, 1e-5)):
     def cz(r):
