@@ -26,9 +26,10 @@ def _parts_of_complex(rule):
     """rule as torch.optim applies it to a complex parameter: to the pairs of real
     numbers the parameter, its gradient and its state hold (view_as_real), so that
     squares and roots are taken per part (complex arithmetic would mix them). State
-    the rule creates is kept complex, as torch keeps it."""
+    the rule creates is kept complex, as torch keeps it. A sparse gradient goes to the
+    rule as it is (torch's sparse Adagrad works in complex arithmetic)."""
     def step(p, grad, group, state):
-        if not torch.is_complex(p):
+        if not torch.is_complex(p) or grad.is_sparse:
             return rule(p, grad, group, state)
         real_p = torch.view_as_real(p)
         views = {k: torch.view_as_real(v) for k, v in state.items() if torch.is_tensor(v) and v.is_complex()}
@@ -119,12 +120,12 @@ def rmsprop_step(p, grad, group, state):
 
 @_parts_of_complex
 def adagrad_step(p, grad, group, state):
-    if grad.is_sparse and (group.get("weight_decay", 0) or torch.is_complex(p)):
-        raise TypeError("Adagrad takes a sparse gradient only without weight_decay and for a real "
-                        "parameter (as torch.optim.Adagrad)")
+    if grad.is_sparse and group.get("weight_decay", 0):
+        raise TypeError("Adagrad takes a sparse gradient only without weight_decay (as torch.optim.Adagrad)")
     if not state:
         state["step"] = torch.tensor(0.0)
-        state["sum"] = torch.full_like(p, group.get("initial_accumulator_value", 0))
+        start = group.get("initial_accumulator_value", 0)    # (complex: in both parts, as torch)
+        state["sum"] = torch.full_like(p, complex(start, start) if torch.is_complex(p) else start)
     state["step"] += 1
     clr = group["lr"] / (1 + (float(state["step"]) - 1) * group.get("lr_decay", 0))
     if grad.is_sparse:      # (nn.Embedding(sparse=True)): only the rows it has

@@ -593,21 +593,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.copy_(result)
 
     def _refusal(self):
-        """Why this step must not change any parameter (a message for step() to raise
-        once its communication is done), or None: a parameter the wrapper does not
-        communicate has a gradient. Looked at before the step's local updates, so that
-        a refused step changes nothing and wrapping again goes on from copies that still
-        agree (refused after the update, the wrapped optimizer had moved those
-        parameters on each agent's own gradient)."""
-        thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
+        """(message, parameters) of a step that must not step parameters the wrapper
+        does not communicate but that have a gradient, or (None, ()). step() leaves those
+        parameters alone (their gradients hidden from the wrapped optimizer), steps the
+        others as usual, so that agents that refuse and agents that do not still agree on
+        them, and raises the message once its communication is done. (Refused after the
+        update, the wrapped optimizer had moved them on each agent's own gradient, and
+        wrapping again went on from copies that no longer agreed.)"""
+        thawed = [(n, p) for n, p in self._frozen if p.requires_grad and p.grad is not None]
         if thawed:
-            return (f"parameters {thawed[:5]} of the model did not require gradients when {type(self).__name__} "
-                    "was created and now have them: the wrapper does not communicate them, so the agents' copies "
-                    "would drift apart. This step changed no parameter. After unfreezing, call remove_hooks() and "
-                    "wrap the optimizer again")
+            return (f"parameters {[n for n, _ in thawed][:5]} of the model did not require gradients when "
+                    f"{type(self).__name__} was created and now have them: the wrapper does not communicate them, "
+                    "so the agents' copies would drift apart (this step did not step them). After unfreezing, "
+                    "call remove_hooks() and wrap the optimizer again", [p for _, p in thawed])
         if _registered[0] != self._registered_seen:
             return self._new_parameters()
-        return None
+        return None, ()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _hidden(params):
+        """Inside, params have no gradient (the wrapped optimizer skips them)."""
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
 
     def _finish_step(self, refusal=None):
         self._round_over()
@@ -620,19 +634,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _new_parameters(self):
         """A parameter or module was registered somewhere since the last look: the refusal
-        if the model has one the wrapper does not know that has a gradient (a layer added
-        or replaced after wrapping: never communicated, silently), else None."""
+        (as _refusal) if the model has one the wrapper does not know that has a gradient (a
+        layer added or replaced after wrapping: never communicated, silently)."""
         known = {id(p) for _, p in self._named} | {id(p) for _, p in self._frozen}
         new = [(n, p) for n, p in _parameters_of(self._model_names) if id(p) not in known]
-        used = [n for n, p in new if p.grad is not None]
+        used = [(n, p) for n, p in new if p.grad is not None]
         if used:
-            return (f"parameters {used[:5]} were added to the model after {type(self).__name__} was created: the "
-                    "wrapper does not communicate them, so the agents' copies would drift apart. This step changed "
-                    "no parameter. Call remove_hooks() and wrap the optimizer again (with the new parameters in "
-                    "its groups)")
+            return (f"parameters {[n for n, _ in used][:5]} were added to the model after {type(self).__name__} "
+                    "was created: the wrapper does not communicate them, so the agents' copies would drift apart "
+                    "(this step did not step them). Call remove_hooks() and wrap the optimizer again (with the new "
+                    "parameters in its groups)", [p for _, p in used])
         if not new:     # (else look again: they may get gradients later)
             self._registered_seen = _registered[0]
-        return None
+        return None, ()
 
     @staticmethod
     def _run_closure(closure):
@@ -895,9 +909,9 @@ class DistributedAdaptWithCombineOptimizer(_ForwardCounted, _ParameterCommunicat
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        refusal = self._refusal()
+        refusal, refused = self._refusal()
         self._step_synchronize()
-        if refusal is None:
+        with self._hidden(refused):
             self.optimizer.step()
         self._finish_step(refusal)
         return loss
@@ -1013,9 +1027,9 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                                "its local steps ran in them, so it no longer trains the model; wrap the "
                                "optimizer again")
         loss = self._run_closure(closure)
-        refusal = self._refusal()
-        with torch.no_grad():
-            for p, group in self._extra() if refusal is None else ():
+        refusal, refused = self._refusal()
+        with torch.no_grad(), self._hidden(refused):
+            for p, group in self._extra():
                 if p.grad is not None:
                     self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
         try:
@@ -1166,12 +1180,12 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def step(self, closure=None):
         loss = self._run_closure(closure)
-        refusal = self._refusal()
+        refusal, refused = self._refusal()
         try:
             self._step_synchronize()
         finally:
             self._passes.clear()
-        if refusal is None:
+        with self._hidden(refused):
             self.optimizer.step()
         self._finish_step(refusal)
         return loss
@@ -1192,15 +1206,19 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication)
         self.window_prefix = self._prefix       # Bluefog's attribute: what the window names start with
         self.force_barrier = False              # Bluefog's knob: step() starts with bf.barrier()
+        created = []
         for name, p in self._named:
             try:
                 windows.win_create(p.detach(), self._prefix + name)
-            except ValueError as exc:
+            except ValueError as exc:     # (raised on every agent: win_create is collective)
+                for made in created:      # (not left behind for the wrapper made instead)
+                    windows.win_free(made)
                 if "already exists" not in str(exc):
                     raise
                 raise ValueError(f"{exc}. {type(self).__name__} names its windows after the parameters: if "
                                  "another wrapper's model has parameters of the same names, give one of them a "
                                  "window_prefix (e.g. window_prefix='D')") from None
+            created.append(self._prefix + name)
         self._count_forwards()
         self._launch_after_forward(self.model, self._put)
 
@@ -1255,10 +1273,10 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         if self.force_barrier:
             ops.barrier()
         loss = self._run_closure(closure)
-        refusal = self._refusal()
+        refusal, refused = self._refusal()
         if self._communicating() and not self._skip_sync:
             self._synchronize()
-        if refusal is None:
+        with self._hidden(refused):
             self.optimizer.step()
         self._finish_step(refusal)
         return loss

@@ -290,14 +290,15 @@ def _mpich_hostfile(path: str) -> Optional[str]:
     format) in MPICH's format (``host:n``), or None if it needs no change: Hydra failed
     on Open MPI's keywords with a screenful of its own parse errors. Keywords with no
     MPICH counterpart (max_slots=) are dropped, and so are comments after a host (Hydra
-    takes whole-line comments only); other words after the host are refused (Hydra
-    refused them after starting)."""
+    takes whole-line comments only); a second host on a line is refused (Hydra refused
+    it after starting). Hydra's own key=value words (user=, binding=) are kept."""
     def rewrite(line: str, words: List[str]) -> Optional[str]:
         if not _OPENMPI_KEYWORD.search(" ".join(words[1:])):
-            if len(words) > 1:
-                raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes one host per line, as host or "
-                                 f"host:n, with nothing after it ({' '.join(words[1:])!r})")
-            return words[0] if "#" in line else None
+            bare = [w for w in words[1:] if "=" not in w]
+            if bare:
+                raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes one host per line (host or "
+                                 f"host:n, then only key=value words such as user=...), not {' '.join(bare)!r}")
+            return " ".join(words) if "#" in line else None
         slots = _slots(words)
         if words[0].count(":") >= 2 and slots is not None:
             raise ValueError(f"line {line.strip()!r}: MPICH's launcher takes host:n, which cannot hold the IPv6 "

@@ -25,7 +25,7 @@ on the Exp-2 graph):
   local step the moment its gradient is ready and is sent at once, so the
   last layer's exchange overlaps the backward pass of the earlier ones.
 
-With ``--device cuda`` each agent trains on a GPU (agent i on GPU i modulo the GPUs
+With ``--device cuda`` each agent trains on a GPU (its local rank modulo the GPUs
 of its machine); the library copies what it communicates through host memory.
 
 Rank 0 prints the agents' mean training loss and test accuracy after each

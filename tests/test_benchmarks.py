@@ -160,7 +160,7 @@ def test_benchmark_arguments_are_checked_before_anything_runs():
     import _bench
     assert [_bench.parse_size(s) for s in ("4K", "4kb", "4KiB", "1M", "100", "1.5K")] == [
         4096, 4096, 4096, 1 << 20, 100, 1536]
-    for bad in ("4X", "", "0", "-1K", "KB"):
+    for bad in ("4X", "", "0", "-1K", "KB", "inf", "infK", "nan"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
             _bench.parse_size(bad)
     for script, args, message in (

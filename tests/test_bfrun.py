@@ -217,8 +217,12 @@ def test_open_mpi_hostfiles_are_translated_for_mpich(tmp_path):
     (tmp_path / "hosts").write_text("# first\na:2  # the big one\nb\n")
     assert run._mpich_hostfile(str(tmp_path / "hosts")) == "# first\na:2\nb\n"
     (tmp_path / "hosts").write_text("a b\n")
-    with pytest.raises(ValueError, match="takes one host per line, as host or host:n, with nothing after it"):
+    with pytest.raises(ValueError, match=r"takes one host per line \(host or host:n, then only key=value"):
         run._mpich_hostfile(str(tmp_path / "hosts"))
+    (tmp_path / "hosts").write_text("a:2 user=me binding=core\n")      # (Hydra's own words: kept)
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) is None
+    (tmp_path / "hosts").write_text("a:2 user=me  # mine\n")
+    assert run._mpich_hostfile(str(tmp_path / "hosts")) == "a:2 user=me\n"
 
 
 def test_mpich_hostfiles_are_translated_for_open_mpi(tmp_path):

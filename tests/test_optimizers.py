@@ -118,31 +118,34 @@ def test_per_parameter_step_matches_torch(make, dtype):
         torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 @pytest.mark.parametrize("kwargs", [{}, {"lr_decay": 0.01, "maximize": True, "initial_accumulator_value": 0.1}])
-def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs):
-    """nn.Embedding(sparse=True) with Adagrad, torch's sparse optimizer: ATC's rule updates
-    only the rows the gradient has, as torch does (it raised NotImplementedError inside
-    backward); the rules whose torch optimizer refuses sparse gradients refuse them by name."""
+def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs, dtype):
+    """Sparse gradients (nn.Embedding(sparse=True)) with Adagrad, torch's sparse optimizer:
+    ATC's rule updates only the rows the gradient has, as torch does (it raised
+    NotImplementedError inside backward), for a complex parameter in complex arithmetic as
+    torch's sparse path; the rules whose torch optimizer refuses sparse gradients refuse
+    them by name."""
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(10, 3, sparse=True).double()
-    mine = emb.weight.detach().clone()
-    ref = torch.optim.Adagrad(emb.parameters(), lr=0.1, **kwargs)
+    a = torch.randn(10, 3, dtype=dtype, requires_grad=True)
+    mine = a.detach().clone()
+    ref = torch.optim.Adagrad([a], lr=0.1, **kwargs)
     group = dict(torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, **kwargs).param_groups[0])
     step, state = _local_steps.step_function_for(ref), {}
     for _ in range(5):
-        ref.zero_grad()
-        emb(torch.randint(0, 10, (6,))).square().sum().backward()
-        grad = emb.weight.grad.clone()
+        rows = torch.randint(0, 10, (6,))        # (repeated rows: coalesced, as torch's rule does)
+        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(6, 3, dtype=dtype), (10, 3))
+        a.grad = grad.clone()
         ref.step()
         step(mine, grad, group, state)
-    torch.testing.assert_close(mine, emb.weight.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(state["sum"], ref.state[emb.weight]["sum"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mine, a.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state["sum"], ref.state[a]["sum"], rtol=1e-12, atol=1e-12)
     for make, name in ((torch.optim.Adam, "Adam"), (torch.optim.RMSprop, "RMSprop"),
                        (torch.optim.Adadelta, "Adadelta")):
-        other = make([torch.zeros(10, 3, dtype=torch.float64, requires_grad=True)])
+        other = make([torch.zeros(10, 3, dtype=dtype, requires_grad=True)])
         with pytest.raises(TypeError, match=f"{name} does not take sparse gradients"):
             _local_steps.step_function_for(other)(mine, grad, dict(other.param_groups[0]), {})
-    with pytest.raises(TypeError, match="sparse gradient only without weight_decay"):
+    with pytest.raises(TypeError, match="sparse gradient only without weight_decay"):   # (as torch)
         step(mine, grad, dict(group, weight_decay=0.1), {})
 
 

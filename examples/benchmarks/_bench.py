@@ -23,7 +23,7 @@ def parse_size(text):
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(body[-1:], 1)
     try:
         nbytes = int(float(body.rstrip("KMG")) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):     # (OverflowError: inf)
         nbytes = -1
     if nbytes <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with K, M or G "

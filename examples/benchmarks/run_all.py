@@ -77,6 +77,7 @@ def launch(script, agents, args, json_path, log_path, timeout, work, library=REP
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
+        rc = None
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

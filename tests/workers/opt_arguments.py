@@ -59,9 +59,12 @@ for wrapper in (AWC, ATC, GAR):
 assert bf.get_current_created_window_names() == []       # the refused ones created none
 # two WinPut wrappers over models with parameters of the same names: the window names collide,
 # and the error says how to tell them apart (it said only "win_free it first")
-other = torch.nn.Linear(3, 2)
+other = torch.nn.Sequential()
+other.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))     # (its window is made first)
+other.register_parameter("weight", torch.nn.Parameter(torch.zeros(2, 3)))
 first = WINPUT(sgd(net.parameters()), net)
 raises(ValueError, "give one of them a window_prefix", WINPUT, sgd(other.parameters()), other)
+assert sorted(bf.get_current_created_window_names()) == ["bias", "weight"], "the refused wrapper left windows"
 first.remove_hooks()
 first.free_windows()
 ok = AWC(sgd(net.parameters()), net, num_steps_per_communication=np.int64(2))   # numpy ints are ints

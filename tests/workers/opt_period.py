@@ -179,6 +179,33 @@ for wrapper in (bf.DistributedAdaptWithCombineOptimizer, bf.DistributedAdaptThen
                  "wrap the optimizer again")
     opt.remove_hooks()
 
+# ... and where only some agents refuse (the unfrozen layer is used on rank 0 only), every agent
+# still steps the communicated parameters: the gradient-allreduce wrapper's copies agree (the
+# refusing agent skipped the whole step, and its copy went apart from the others')
+for wrapper in (bf.DistributedGradientAllreduceOptimizer,):
+    torch.manual_seed(5)          # (the same start on every agent)
+    shared, side = torch.nn.Linear(2, 1, dtype=torch.float64), torch.nn.Linear(2, 1, dtype=torch.float64)
+    net = torch.nn.ModuleDict({"shared": shared, "side": side})
+    side.requires_grad_(False)
+    base = torch.optim.SGD(shared.parameters(), lr=0.1)
+    opt = wrapper(base, net)
+    side.requires_grad_(True)
+    base.add_param_group({"params": side.parameters()})
+    before = [p.detach().clone() for p in side.parameters()]
+    opt.zero_grad()
+    out = shared(data) + (side(data) if r == 0 else 0)
+    out.sum().backward()
+    try:
+        opt.step()
+        assert r != 0, "rank 0 refused nothing"
+    except RuntimeError as exc:
+        assert r == 0 and "this step did not step them" in str(exc), (r, exc)
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, side.parameters())), "the refused layer moved"
+    copies = bf.allgather(torch.cat([p.detach().reshape(1, -1) for p in shared.parameters()], 1),
+                          name=f"refused.some.{wrapper.__name__}")
+    assert torch.equal(copies, copies[:1].expand_as(copies)), (wrapper.__name__, copies)
+    opt.remove_hooks()
+
 # 3b. add_param_group on the wrapper adds to the wrapped optimizer (as Bluefog's subclass did;
 #     it was refused); a layer added to the model after wrapping is not communicated, and
 #     step() says so (the agents' copies drifted apart silently)
