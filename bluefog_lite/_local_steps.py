@@ -131,9 +131,9 @@ def adagrad_step(p, grad, group, state):
     if grad.is_sparse:      # (nn.Embedding(sparse=True)): only the rows it has
         grad = _signed(grad, group).coalesce()
         index, values = grad._indices(), grad._values()
-        state["sum"].add_(torch.sparse_coo_tensor(index, values * values, grad.shape))
+        state["sum"].add_(torch.sparse_coo_tensor(index, values * values, grad.shape, check_invariants=False))
         root = state["sum"].sparse_mask(grad)._values().sqrt_().add_(group["eps"])
-        p.add_(torch.sparse_coo_tensor(index, values / root, grad.shape), alpha=-clr)
+        p.add_(torch.sparse_coo_tensor(index, values / root, grad.shape, check_invariants=False), alpha=-clr)
         return
     grad = _decayed(p, grad, group)
     state["sum"].addcmul_(grad, grad, value=1)

@@ -118,6 +118,7 @@ def test_per_parameter_step_matches_torch(make, dtype):
         torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")    # (torch's own Adagrad)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 @pytest.mark.parametrize("kwargs", [{}, {"lr_decay": 0.01, "maximize": True, "initial_accumulator_value": 0.1}])
 def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs, dtype):
@@ -134,7 +135,8 @@ def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs, dtype):
     step, state = _local_steps.step_function_for(ref), {}
     for _ in range(5):
         rows = torch.randint(0, 10, (6,))        # (repeated rows: coalesced, as torch's rule does)
-        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(6, 3, dtype=dtype), (10, 3))
+        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(6, 3, dtype=dtype), (10, 3),
+                                       check_invariants=True)
         a.grad = grad.clone()
         ref.step()
         step(mine, grad, group, state)
