@@ -291,8 +291,9 @@ for o in opts:
     o.remove_hooks()
 
 # ... and one wrapper over the list of both (Bluefog's other form of model): their names
-# clash, so each model's index goes in front of its names (Bluefog refused), both are averaged; a second wrapper on one of them is
-# refused while the first one's hooks are in place; bad lists are named
+# clash, so each model's index goes in front of its names (Bluefog refused), both are
+# averaged; a second wrapper on one of them is refused while the first one's hooks are in
+# place; bad lists are named
 models, _ = pair()
 for o in _:
     o.remove_hooks()
