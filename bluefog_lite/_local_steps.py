@@ -5,6 +5,7 @@ so it needs the optimizer's rule for one parameter at a time. These follow
 torch.optim's defaults-compatible math and keep state under torch's own keys, so
 that state_dict()/load_state_dict() of the wrapped optimizer keep working.
 """
+import functools
 import inspect
 import math
 
@@ -28,6 +29,7 @@ def _parts_of_complex(rule):
     squares and roots are taken per part (complex arithmetic would mix them). State
     the rule creates is kept complex, as torch keeps it. A sparse gradient goes to the
     rule as it is (torch's sparse Adagrad works in complex arithmetic)."""
+    @functools.wraps(rule)
     def step(p, grad, group, state):
         if not torch.is_complex(p) or grad.is_sparse:
             return rule(p, grad, group, state)
@@ -41,7 +43,6 @@ def _parts_of_complex(rule):
             if torch.is_tensor(v) and v.shape == real_p.shape and not v.is_complex():
                 v = torch.view_as_complex(v)
             state[k] = v
-    step.__name__, step.__doc__ = rule.__name__, rule.__doc__
     return step
 
 

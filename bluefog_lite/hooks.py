@@ -53,7 +53,7 @@ _ident = threading.get_ident
 _now_ns = _recorder.now_ns
 
 
-_installed = weakref.WeakKeyDictionary()   # model -> {TimelineHooks in place on it: None}
+_installed = weakref.WeakKeyDictionary()   # model -> the set of TimelineHooks in place on it
 _forwards = set()          # the _Pass of each model whose forward is in progress (while recording)
 
 
@@ -64,7 +64,7 @@ class TimelineHooks:
         self.handles = handles
         self._model = weakref.ref(model) if model is not None else None
         if model is not None:
-            _installed.setdefault(model, {})[self] = None
+            _installed.setdefault(model, set()).add(self)
 
     def remove(self):
         for handle in self.handles:
@@ -72,7 +72,7 @@ class TimelineHooks:
         self.handles = []
         model = self._model() if self._model is not None else None
         if model is not None:
-            _installed.get(model, {}).pop(self, None)
+            _installed.get(model, set()).discard(self)
 
     def __len__(self):
         return len(self.handles)
@@ -103,7 +103,7 @@ def timeline_install_hooks(model, prefix=""):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {prefix!r}")
-    for hooks in list(_installed.get(model, {})):
+    for hooks in list(_installed.get(model, ())):
         hooks.remove()         # a wrapper's or an earlier call's: these take their place
     return _install(model, prefix)
 

@@ -104,9 +104,9 @@ def check_same(results, pairs, comm, rtol=1e-4, atol=1e-5):
         if hasattr(value, "cpu"):       # a torch tensor, maybe on a device
             value = value.detach().cpu().numpy()
         return np.asarray(value, dtype=np.float64).ravel()
-    wrong = [f"{name} != {ref}" for name, ref in pairs
-             if not (flat(results[name]).shape == flat(results[ref]).shape
-                     and np.allclose(flat(results[name]), flat(results[ref]), rtol=rtol, atol=atol))]
+    def same(a, b):
+        return a.shape == b.shape and np.allclose(a, b, rtol=rtol, atol=atol)
+    wrong = [f"{name} != {ref}" for name, ref in pairs if not same(flat(results[name]), flat(results[ref]))]
     agents = comm.allgather(wrong)
     if any(agents):
         raise SystemExit("benchmark stopped: results differ on agents "

@@ -84,13 +84,12 @@ def launch(script, agents, args, json_path, log_path, timeout, work, library=REP
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             log.write(f"\nrun_all: killed after {timeout} s\n")
-            rc = None
         except BaseException:
             stop(proc)
             log.write("\nrun_all: interrupted\n")
             raise
         finally:
-            if (proc.returncode != 0 or rc is None) and os.path.exists(json_path):
+            if rc != 0 and os.path.exists(json_path):     # (rc None: killed or interrupted)
                 os.replace(json_path, json_path + ".failed")
     return rc == 0 and os.path.exists(json_path)
 
