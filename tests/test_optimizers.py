@@ -6,6 +6,11 @@ import torch
 from bluefog_lite import _local_steps
 from mpi_helpers import run_agents
 
+# Where a GPU is, the rules are checked on CUDA tensors too, against torch's CUDA
+# optimizers (its multi-tensor forms there: the same math in another order of rounding).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA GPU (cpu runs everywhere)"))]
+
 CASES = [("awc", "nar"), ("awc", "dyn"), ("awc", "ar"), ("awc", "empty"),
          ("atc", "nar"), ("atc", "dyn"), ("atc", "ar"), ("atc", "empty"), ("gar", "-")]
 
@@ -95,40 +100,43 @@ def test_gradient_allreduce_with_adam_is_exact():
     lambda p: torch.optim.Adadelta(p, lr=1.0, weight_decay=0.01, maximize=True),
 ])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
-def test_per_parameter_step_matches_torch(make, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_parameter_step_matches_torch(make, dtype, device):
     """ATC's rule for one parameter gives torch's parameter and state. A complex
     parameter is stepped as its real and imaginary parts, as torch does (the rules took
     squares and roots in complex arithmetic: Adam was 0.08 off after a few steps)."""
     torch.manual_seed(0)
-    a = torch.randn(7, dtype=dtype, requires_grad=True)
+    a = torch.randn(7, dtype=dtype).to(device).requires_grad_()
     b = a.detach().clone()
     ref = make([a])
     group = dict(make([torch.zeros(1, requires_grad=True)]).param_groups[0])
     step = _local_steps.step_function_for(ref)
     state = {}
     for _ in range(6):
-        g = torch.randn(7, dtype=dtype)
+        g = torch.randn(7, dtype=dtype).to(device)
         a.grad = g.clone()
         ref.step()
         step(b, g, group, state)
-    torch.testing.assert_close(b, a.detach(), rtol=1e-12, atol=1e-12)
+    tol = 1e-12 if device == "cpu" else 1e-10
+    torch.testing.assert_close(b, a.detach(), rtol=tol, atol=tol)
     theirs = ref.state[a]
     assert sorted(state) == sorted(theirs), (sorted(state), sorted(theirs))
     for key, value in theirs.items():    # (so that state_dict() moves between the two)
-        torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
+        torch.testing.assert_close(state[key], value, rtol=tol, atol=tol, msg=key)
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")    # (torch's own Adagrad)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 @pytest.mark.parametrize("kwargs", [{}, {"lr_decay": 0.01, "maximize": True, "initial_accumulator_value": 0.1}])
-def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs, dtype, device):
     """Sparse gradients (nn.Embedding(sparse=True)) with Adagrad, torch's sparse optimizer:
     ATC's rule updates only the rows the gradient has, as torch does (it raised
     NotImplementedError inside backward), for a complex parameter in complex arithmetic as
     torch's sparse path; the rules whose torch optimizer refuses sparse gradients refuse
     them by name."""
     torch.manual_seed(0)
-    a = torch.randn(10, 3, dtype=dtype, requires_grad=True)
+    a = torch.randn(10, 3, dtype=dtype).to(device).requires_grad_()
     mine = a.detach().clone()
     ref = torch.optim.Adagrad([a], lr=0.1, **kwargs)
     group = dict(torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, **kwargs).param_groups[0])
@@ -136,15 +144,16 @@ def test_per_parameter_adagrad_takes_sparse_gradients_as_torch(kwargs, dtype):
     for _ in range(5):
         rows = torch.randint(0, 10, (6,))        # (repeated rows: coalesced, as torch's rule does)
         grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(6, 3, dtype=dtype), (10, 3),
-                                       check_invariants=True)
+                                       check_invariants=True).to(device)
         a.grad = grad.clone()
         ref.step()
         step(mine, grad, group, state)
-    torch.testing.assert_close(mine, a.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(state["sum"], ref.state[a]["sum"], rtol=1e-12, atol=1e-12)
+    tol = 1e-12 if device == "cpu" else 1e-10
+    torch.testing.assert_close(mine, a.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state["sum"], ref.state[a]["sum"], rtol=tol, atol=tol)
     for make, name in ((torch.optim.Adam, "Adam"), (torch.optim.RMSprop, "RMSprop"),
                        (torch.optim.Adadelta, "Adadelta")):
-        other = make([torch.zeros(10, 3, dtype=dtype, requires_grad=True)])
+        other = make([torch.zeros(10, 3, dtype=dtype, device=device, requires_grad=True)])
         with pytest.raises(TypeError, match=f"{name} does not take sparse gradients"):
             _local_steps.step_function_for(other)(mine, grad, dict(other.param_groups[0]), {})
     with pytest.raises(TypeError, match="sparse gradient only without weight_decay"):   # (as torch)

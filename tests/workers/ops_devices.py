@@ -197,9 +197,17 @@ for t, w in zip(model.parameters(), mean_before):
 
 
 # -- optimizer wrappers: a device model trains exactly as its host copy does ------------------
-def train(make_wrapper, base, steps=4):
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).double()
+
+
+def mse(m, inputs, targets):
+    return torch.nn.functional.mse_loss(m(inputs), targets)
+
+
+def train(make_wrapper, base, steps=4, net=mlp, loss=mse):
     torch.manual_seed(7)
-    host_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).double()
+    host_model = net()
     dev_model = model_to_device(copy.deepcopy(host_model))
     g = np.random.default_rng(rank)
     A, b = torch.from_numpy(g.normal(size=(16, 4))), torch.from_numpy(g.normal(size=(16, 1)))
@@ -210,7 +218,7 @@ def train(make_wrapper, base, steps=4):
     for _ in range(steps):
         for m, opt, inputs, targets in runs:
             opt.zero_grad()
-            torch.nn.functional.mse_loss(m(inputs), targets).backward()
+            loss(m, inputs, targets).backward()
             opt.step()
     for (n, hp), dp in zip(host_model.named_parameters(), dev_model.parameters()):
         check(f"{make_wrapper.__name__} {n}", dp, hp.detach().numpy(), 1e-9)
@@ -234,6 +242,42 @@ def gradient_allreduce(opt, m, prefix):
 for wrap in (awc, atc, gradient_allreduce):
     train(wrap, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5))
 runs = train(awc, lambda ps: torch.optim.Adam(ps, lr=0.01))
+
+
+class Heads(torch.nn.Module):
+    """Gradient allreduce where agents lack gradients: head "odd" is used by the odd
+    agents only, "zero" by agent 0 only and times 0 (an all-zero average that one agent
+    had: every agent keeps it and steps it with weight decay), "none" by no agent (its
+    gradient stays None everywhere)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.odd, self.zero, self.none = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 1),
+                                                     torch.nn.Linear(4, 1), torch.nn.Linear(4, 1))
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        out = self.odd(h) if rank % 2 else h.sum(1, keepdim=True)
+        return out + 0 * self.zero(h) if rank == 0 else out
+
+
+train(gradient_allreduce, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, weight_decay=0.1),
+      net=lambda: Heads().double())
+
+
+class ComplexNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 2, dtype=torch.complex128))
+
+    def forward(self, x):
+        return (x.to(torch.complex128) @ self.w).abs().sum(1, keepdim=True)
+
+
+train(atc, lambda ps: torch.optim.Adam(ps, lr=0.05), net=ComplexNet)   # (steps on real parts, as torch)
+train(atc, lambda ps: torch.optim.Adagrad(ps, lr=0.1),      # (sparse gradients of the embedding)
+      net=lambda: torch.nn.Sequential(torch.nn.Embedding(8, 4, sparse=True), torch.nn.Linear(4, 1)).double(),
+      loss=lambda m, inputs, targets: mse(m, (inputs[:, 0].abs() * 3).long() % 8, targets))
 # the win_put wrapper on a device model: asynchronous (what has arrived is combined), so
 # no twin to compare with; the parameters stay on the device and the agents get closer
 torch.manual_seed(rank)
