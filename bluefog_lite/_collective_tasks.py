@@ -8,6 +8,7 @@ from ._devices import copied
 from ._mpi import MPI
 from ._neighbor_tasks import mark_sends
 from ._stream import dtype_name, tensor_bytes
+from ._stalls import out_of_step
 from ._tasks import _HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exchange_headers
 from ._waits import Requests, Turn
 
@@ -24,6 +25,18 @@ def _collective_call(eng, op, nonempty, post, what, sends_to=None):
         eng.posted_collective(op)
         if req is not None:
             yield Requests([req], what)
+
+
+def _unposted(eng, op, exc):
+    """exc raised after the agents agreed on collective op, before its MPI call was
+    made on this agent (coll_seq is cleared when it is): the others make theirs and
+    wait in it, and it would pair with this agent's next collective."""
+    if op.coll_seq is not None:
+        eng.collectives_broken = out_of_step(
+            f"the collective {op.kind} {op.name!r} failed on this agent (rank {eng.rank}) after the agents "
+            f"agreed on it, before its MPI call ({type(exc).__name__}: {exc})",
+            "the other agents make that call's MPI collective, which would pair with this agent's next one and "
+            "mix their data; they wait in it, and the stall warning names it")
 
 
 def _reduced_in(dtype, average):
@@ -57,15 +70,19 @@ def allreduce(eng, op, x, average, target):
         raise ValueError(f"{op.kind} {op.name!r}: agents passed different average= for {dtype_name(dtype)} "
                          f"tensors ({listing}); an average of narrow integers is summed in int64, a sum in the "
                          "tensor's dtype: pass the same average on every agent")
-    yield from copied(op)
-    with _phase(op.name, "ALLOCATE_OUTPUT"):
-        if wide != dtype:
-            x = out = x.to(wide)
-        else:
-            out = target if _writes_in_place(target) else torch.empty_like(x)
-    src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
-    yield from _collective_call(eng, op, out.numel() > 0,
-                                lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
+    try:
+        yield from copied(op)
+        with _phase(op.name, "ALLOCATE_OUTPUT"):
+            if wide != dtype:
+                x = out = x.to(wide)
+            else:
+                out = target if _writes_in_place(target) else torch.empty_like(x)
+        src = MPI.IN_PLACE if out.data_ptr() == x.data_ptr() else x.numpy()
+        yield from _collective_call(eng, op, out.numel() > 0,
+                                    lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
+    except Exception as exc:
+        _unposted(eng, op, exc)
+        raise
     if average:
         with _phase(op.name, "COMPUTE_AVERAGE"):
             if out.is_floating_point() or out.is_complex():
@@ -81,18 +98,22 @@ def allreduce(eng, op, x, average, target):
 def broadcast(eng, op, x, root, target):
     views = yield from exchange_headers(eng, op, (root, _meta(x)), mpi_call=True)
     _same_meta_or_raise(op, views, lambda v: f"root {v[0]}, {_meta_text(v[1])}")
-    yield from copied(op)
-    with _phase(op.name, "ALLOCATE_OUTPUT"):
-        if _writes_in_place(target):
-            out = target
-        else:
-            out = torch.empty_like(x)
-        if eng.rank == root and out.data_ptr() != x.data_ptr():
-            out.copy_(x)
-    yield from _collective_call(eng, op, out.numel() > 0,
-                                lambda: eng.comm.Ibcast([tensor_bytes(out), MPI.BYTE], root=root),
-                                # timeline: the data goes from the root to every other agent
-                                "MPI_Ibcast", [r for r in range(eng.size) if r != root] if eng.rank == root else None)
+    try:
+        yield from copied(op)
+        with _phase(op.name, "ALLOCATE_OUTPUT"):
+            if _writes_in_place(target):
+                out = target
+            else:
+                out = torch.empty_like(x)
+            if eng.rank == root and out.data_ptr() != x.data_ptr():
+                out.copy_(x)
+        yield from _collective_call(
+            eng, op, out.numel() > 0, lambda: eng.comm.Ibcast([tensor_bytes(out), MPI.BYTE], root=root),
+            # timeline: the data goes from the root to every other agent
+            "MPI_Ibcast", [r for r in range(eng.size) if r != root] if eng.rank == root else None)
+    except Exception as exc:
+        _unposted(eng, op, exc)
+        raise
     if target is not None and out is not target:
         target.copy_(out)
         return target
@@ -106,16 +127,20 @@ def allgather(eng, op, x):
         listing = ", ".join(f"rank {r}: {_meta_text(v)}" for r, v in enumerate(views))
         raise ValueError(f"{op.kind} {op.name!r}: tensors must have at least one dimension and agree "
                          f"on dtype and all dimensions but the first ({listing})")
-    yield from copied(op)
-    with _phase(op.name, "ALLOCATE_OUTPUT"):
-        firsts = [shape[0] for _, shape in views]
-        out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)
-        row = _row_bytes(x)
-        counts = [f * row for f in firsts]
-        displs = [sum(counts[:r]) for r in range(len(counts))]
-    yield from _collective_call(eng, op, out.numel() > 0, lambda: eng.comm.Iallgatherv(
-        [tensor_bytes(x), counts[eng.rank], MPI.BYTE], [tensor_bytes(out), (counts, displs), MPI.BYTE]),
-        "MPI_Iallgatherv")
+    try:
+        yield from copied(op)
+        with _phase(op.name, "ALLOCATE_OUTPUT"):
+            firsts = [shape[0] for _, shape in views]
+            out = torch.empty((sum(firsts),) + tuple(x.shape[1:]), dtype=x.dtype)
+            row = _row_bytes(x)
+            counts = [f * row for f in firsts]
+            displs = [sum(counts[:r]) for r in range(len(counts))]
+        yield from _collective_call(eng, op, out.numel() > 0, lambda: eng.comm.Iallgatherv(
+            [tensor_bytes(x), counts[eng.rank], MPI.BYTE], [tensor_bytes(out), (counts, displs), MPI.BYTE]),
+            "MPI_Iallgatherv")
+    except Exception as exc:
+        _unposted(eng, op, exc)
+        raise
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 from ._devices import copied
 from ._stream import Member, Outgoing, dtype_name
 from ._tasks import (_HALVES, BadInput, _check_same, _describe, _meta, _phase, _raise_if_refused,
-                     _raise_other_kind, _release, exchange_headers, weighted_sum)
+                     _raise_other_kind, _release, exchange_headers, failed_before_sending, weighted_sum)
 from ._waits import Partial, Recv
 from .timeline import _recorder as tl
 
@@ -32,13 +32,14 @@ def _topology_check(eng, op, sends, recvs):
 
 def _send_all(eng, op, key, x, send_plan, members=None):
     """Send x to every (dst, scale) of the plan (a scaled copy per distinct scale that
-    is not None: destinations with the same scale share it)."""
+    is not None: destinations with the same scale share it). Everything is packed
+    before the first send: a failure sends nothing (see failed_before_sending)."""
     outgoing = {}
+    for _, scale in send_plan:
+        if scale not in outgoing:
+            outgoing[scale] = Outgoing(x if scale is None else scaled(x, scale), members)
     for dst, scale in send_plan:
-        data = outgoing.get(scale)
-        if data is None:
-            data = outgoing[scale] = Outgoing(x if scale is None else scaled(x, scale), members)
-        eng.send_tensor(op, dst, key, data)
+        eng.send_tensor(op, dst, key, outgoing[scale])
     if members is None:     # a fused group marks each member's row itself
         mark_sends(op.name, (dst for dst, _ in send_plan))
 
@@ -74,13 +75,31 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
     name = op.name
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
-    yield from copied(op)
-    with _phase(name, "ALLOCATE_OUTPUT"):
-        out = torch.empty_like(x)
-    with _phase(name, "COMMUNICATE"):
-        _send_all(eng, op, name, x, send_plan)
-        entries = yield Recv([(src, name) for src in recv_from])
+    out, entries = yield from _exchange(eng, op, x, lambda: _send_all(eng, op, name, x, send_plan),
+                                        send_plan, recv_from)
     return average_of(op, x, out, self_weight, src_weights, entries)
+
+
+def _exchange(eng, op, x, send, send_plan, recv_from):
+    """The first half of a neighbor call: wait for the copy of a device input to the
+    host, allocate the output (like x), send (send()) and receive from recv_from.
+    Returns (output, entries). A failure before send() is done tells the plan's
+    destinations and drops what recv_from send for the call (failed_before_sending)."""
+    name = op.name
+    sent = False
+    try:
+        yield from copied(op)
+        with _phase(name, "ALLOCATE_OUTPUT"):
+            out = torch.empty_like(x)
+        with _phase(name, "COMMUNICATE"):
+            send()
+            sent = True
+            entries = yield Recv([(src, name) for src in recv_from])
+    except Exception as exc:
+        if not sent:
+            failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan], [(s, name) for s in recv_from])
+        raise
+    return out, entries
 
 
 def neighbor_allreduce_rest(eng, op, x, out, self_weight, src_weights, keys):
@@ -109,20 +128,28 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
     output). Members of a neighbor's group arrive back to back; when the neighbor
     grouped them differently, its parts are gathered into one buffer first."""
     ops = [op for op, _ in members]
-    yield from copied(*ops)
     xs = [x for _, x in members]
     names = [op.name for op in ops]
-    sizes = [x.numel() for x in xs]
-    with _phase(names, "ALLOCATE_OUTPUT"):
-        out = torch.empty(sum(sizes), dtype=xs[0].dtype)
-    with _phase(names, "MEMCPY_IN_FUSION_BUFFER"):
-        flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
-    shapes = [tuple(x.shape) for x in xs]
-    desc = list(zip(names, shapes, sizes))
-    with _phase(names, "COMMUNICATE"):
-        _send_all(eng, lead, None, flat, send_plan, desc)
-        mark_sends(names, (dst for dst, _ in send_plan))
-        entries = yield Recv([(src, name) for src in recv_from for name in names])
+    sent = False
+    try:
+        yield from copied(*ops)
+        sizes = [x.numel() for x in xs]
+        with _phase(names, "ALLOCATE_OUTPUT"):
+            out = torch.empty(sum(sizes), dtype=xs[0].dtype)
+        with _phase(names, "MEMCPY_IN_FUSION_BUFFER"):
+            flat = torch.cat([x if x.dim() == 1 else x.view(-1) for x in xs])
+        shapes = [tuple(x.shape) for x in xs]
+        desc = list(zip(names, shapes, sizes))
+        with _phase(names, "COMMUNICATE"):
+            _send_all(eng, lead, None, flat, send_plan, desc)
+            sent = True
+            mark_sends(names, (dst for dst, _ in send_plan))
+            entries = yield Recv([(src, name) for src in recv_from for name in names])
+    except Exception as exc:
+        if not sent:     # (a note under each member's name: the receivers may group them otherwise)
+            failed_before_sending(eng, exc, [(d, n) for d, _ in send_plan for n in names],
+                                  [(s, n) for s in recv_from for n in names])
+        raise
     if entries.__class__ is Partial:      # the group was split (_stalls.py)
         yield from _one_by_one(eng, ops, xs, self_weight, src_weights, recv_from, entries.taken)
         return lead.result
@@ -228,13 +255,20 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     name = op.name
     if check:
         yield from _topology_check(eng, op, send_to, recv_from)
-    yield from copied(op)
-    with _phase(name, "COMMUNICATE"):
-        out = Outgoing(x, sent_by=op.kind)
-        for dst in send_to:
-            eng.send_tensor(op, dst, name, out)
-        mark_sends(name, send_to)
-        entries = yield Recv([(src, name) for src in recv_from])
+    sent = False
+    try:
+        yield from copied(op)
+        with _phase(name, "COMMUNICATE"):
+            out = Outgoing(x, sent_by=op.kind)
+            for dst in send_to:
+                eng.send_tensor(op, dst, name, out)
+            sent = True
+            mark_sends(name, send_to)
+            entries = yield Recv([(src, name) for src in recv_from])
+    except Exception as exc:
+        if not sent:
+            failed_before_sending(eng, exc, [(d, name) for d in send_to], [(s, name) for s in recv_from])
+        raise
     try:
         trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
         for e in entries:
@@ -254,17 +288,13 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
 
 
 def pair_gossip(eng, op, x, target, self_weight, pair_weight):
-    name = op.name
-    yield from copied(op)
-    with _phase(name, "ALLOCATE_OUTPUT"):
-        out = torch.empty_like(x)
-    with _phase(name, "COMMUNICATE"):
-        eng.send_tensor(op, target, name, Outgoing(x, sent_by=op.kind))
-        mark_sends(name, [target])
-        entries = yield Recv([(target, name)])
+    def send():
+        eng.send_tensor(op, target, op.name, Outgoing(x, sent_by=op.kind))
+        mark_sends(op.name, [target])
+    out, entries = yield from _exchange(eng, op, x, send, [(target, None)], [target])
     try:
         _check_same(op, x, entries)
-        with _phase(name, "COMPUTE_AVERAGE"):
+        with _phase(op.name, "COMPUTE_AVERAGE"):
             return weighted_sum(out, x, self_weight, [(entries[0].value, pair_weight)])
     finally:
         _release(entries)
@@ -276,14 +306,21 @@ def _machine_sum(eng, op, x, local_ranks):
     allreduce adds them), in int64 for integers (exact; cast back to a narrower
     dtype it wraps around as allreduce's MPI sum does), in float64 for uint64
     (hierarchical_neighbor_allreduce only; allreduce refuses it)."""
-    yield from copied(op)
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
-    with _phase(op.name, "ALLOCATE_OUTPUT"):
-        total = torch.empty(x.shape, dtype=_machine_sum_dtype(x))
-    with _phase(op.name, "COMMUNICATE"):
-        _send_all(eng, op, key, x, [(r, None) for r in peers])
-        local = yield Recv([(r, key) for r in peers])
+    sent = False
+    try:
+        yield from copied(op)
+        with _phase(op.name, "ALLOCATE_OUTPUT"):
+            total = torch.empty(x.shape, dtype=_machine_sum_dtype(x))
+        with _phase(op.name, "COMMUNICATE"):
+            _send_all(eng, op, key, x, [(r, None) for r in peers])
+            sent = True
+            local = yield Recv([(r, key) for r in peers])
+    except Exception as exc:
+        if not sent:
+            failed_before_sending(eng, exc, [(r, key) for r in peers], [(r, key) for r in peers])
+        raise
     try:
         _check_same(op, x, local)
         by_rank = {e.src: e.value for e in local}
@@ -345,31 +382,35 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     key, dtype_key = machine_keys(op.name)
     for dst, _ in send_plan:
         eng.send_object(dst, dtype_key, dtype_name(x.dtype))
-    with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
-        acc = torch.empty(x.shape, dtype=_weighted_dtype(x))
+    sent = False
     try:
         machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
-    except ValueError as err:
-        # No sum for this machine: the agents waiting for it fail too (instead of
-        # waiting forever), and what they send this agent must not feed a later call.
-        note = BadInput(f"has no machine sum to send, because on its machine: {err}")
-        for dst, _ in send_plan:
-            eng.send_object(dst, key, note)
-        eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
+        with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
+            acc = torch.empty(x.shape, dtype=_weighted_dtype(x))
+        averaged = False
+        if machine_sum.dtype != acc.dtype:
+            if acc.is_floating_point() and acc.element_size() == 2:
+                # a 16-bit float sum, added in float32: its machine average, rounded once, is
+                # what machines exchange and average in the tensor's dtype, as neighbor
+                # operations do (the sum itself overflows float16 past 65504 / agents per machine)
+                machine_sum = machine_sum.div_(len(local_ranks)).to(acc.dtype)
+                averaged = True
+            else:   # an integer sum goes as float64, the dtype it is weighted in
+                machine_sum = machine_sum.to(acc.dtype)
+        with _phase(op.name, "COMMUNICATE"):
+            _send_all(eng, op, key, machine_sum, send_plan)
+            sent = True
+            entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
+    except Exception as err:
+        if not sent:
+            # No sum for this machine (or none packed): the agents waiting for it fail too
+            # (instead of waiting forever), and what they send this agent must not feed a later call.
+            why = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            note = BadInput(f"has no machine sum to send, because on its machine: {why}")
+            for dst, _ in send_plan:
+                eng.send_object(dst, key, note)
+            eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
         raise
-    averaged = False
-    if machine_sum.dtype != acc.dtype:
-        if acc.is_floating_point() and acc.element_size() == 2:
-            # a 16-bit float sum, added in float32: its machine average, rounded once, is
-            # what machines exchange and average in the tensor's dtype, as neighbor
-            # operations do (the sum itself overflows float16 past 65504 / agents per machine)
-            machine_sum = machine_sum.div_(len(local_ranks)).to(acc.dtype)
-            averaged = True
-        else:   # an integer sum goes as float64, the dtype it is weighted in
-            machine_sum = machine_sum.to(acc.dtype)
-    with _phase(op.name, "COMMUNICATE"):
-        _send_all(eng, op, key, machine_sum, send_plan)
-        entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
     remote, dtypes = entries[:len(recv_from)], entries[len(recv_from):]
     try:
         mine = dtype_name(x.dtype)

@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from . import _neighbor_tasks
+from . import _neighbor_tasks, _tasks
 from ._mpi import MPI
 from ._stream import STREAM_TAG, dtype_name, tensor_bytes
 from .timeline import _recorder as tl
@@ -85,14 +85,18 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
         # would leave the name's rounds out of step (the next call takes this one's input)
         plain = None
         packets = []
-        for dst, scale in send_plan:
-            if scale is None:
-                if plain is None:
-                    plain = s.small_packet(name, meta, xa)
-                packets.append((dst, plain))
-            else:
-                with np.errstate(all="ignore"):     # (see _average)
-                    packets.append((dst, s.small_packet(name, meta, xa * scale)))
+        try:
+            for dst, scale in send_plan:
+                if scale is None:
+                    if plain is None:
+                        plain = s.small_packet(name, meta, xa)
+                    packets.append((dst, plain))
+                else:
+                    with np.errstate(all="ignore"):     # (see _average)
+                        packets.append((dst, s.small_packet(name, meta, xa * scale)))
+        except Exception as exc:
+            _failed_before_sending(eng, exc, name, send_plan, recv_from)
+            raise
         ring = eng.doorbell.ring
         for dst, packet in packets:
             s.send_packet(dst, packet)
@@ -222,11 +226,16 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     name, s = call.name, eng.stream
     meta = (dtype_name(x.dtype), tuple(x.shape))
     outgoing = {}    # scale -> (tensor, its bytes): x, or one scaled copy per distinct scale
+    try:
+        for _, scale in send_plan:
+            if scale not in outgoing:
+                y = x if scale is None else _neighbor_tasks.scaled(x, scale)
+                outgoing[scale] = (y, tensor_bytes(y))
+    except Exception as exc:
+        _failed_before_sending(eng, exc, name, send_plan, recv_from)
+        raise
     for dst, scale in send_plan:     # descriptors, then the data
-        data = outgoing.get(scale)
-        if data is None:
-            y = x if scale is None else _neighbor_tasks.scaled(x, scale)
-            data = outgoing[scale] = (y, tensor_bytes(y))
+        data = outgoing[scale]
         s.send_large(dst, name, meta, data[1], data[0], call.data_requests)
     eng.ring_peers()
     out = torch.empty_like(x)
@@ -239,6 +248,10 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left
+
+
+def _failed_before_sending(eng, exc, name, send_plan, recv_from):
+    _tasks.failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan], [(s, name) for s in recv_from])
 
 
 def _result(out):

@@ -22,6 +22,13 @@ from ._mpi import MPI
 from ._waits import Partial, Recv, Requests, Sleep, Turn, Until
 
 
+def out_of_step(what, why):
+    """Engine.collectives_broken's text: what happened, why later collectives would mix data."""
+    return (f"{what}, so its collectives are out of step with the other agents' ({why}); allreduce, "
+            "broadcast, allgather, win_create and win_free cannot run on it any more in this run (neighbor "
+            "operations, barrier and window puts, gets and updates still can)")
+
+
 class OpTimeout(TimeoutError):
     """An operation waited longer than BLUEFOG_OP_TIMEOUT_S."""
 
@@ -233,13 +240,10 @@ class StallInspector:
                 if op.collective:
                     # The late agents may still make this collective's MPI call, which
                     # would pair with this agent's next one and mix their data
-                    self.collectives_broken = (
-                        f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank}), "
-                        "so its collectives are out of step with the other agents' (a late agent may still "
-                        "make that call's MPI collective, which would pair with this agent's next one and "
-                        "mix their data); allreduce, broadcast, allgather, win_create and win_free cannot "
-                        "run on it any more in this run (neighbor operations, barrier and window puts, gets "
-                        "and updates still can)")
+                    self.collectives_broken = out_of_step(
+                        f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank})",
+                        "a late agent may still make that call's MPI collective, which would pair with this "
+                        "agent's next one and mix their data")
                 if op.finished_task:
                     # only its sends are left: _finish keeps them going (keep_sending). A
                     # fused group's members sent in the same message: they fail with it

@@ -178,8 +178,9 @@ def failed_everywhere(what, bad, kind=ValueError):
 
 
 class BadInput:
-    """What an agent that cannot take part (its arguments to a collective were
-    rejected; its machine has no sum) sends instead, so that the others raise too."""
+    """What an agent that cannot take part (its arguments were rejected; its machine
+    has no sum; its call failed before sending) sends instead, so that the others
+    raise too."""
     __slots__ = ("text",)
 
     def __init__(self, text):
@@ -203,13 +204,25 @@ def refused(eng, op, exc, tell, forget):
     """The neighbor operation of an agent whose arguments were rejected with exc (see
     ops._refuse): a note to each (rank, key) of tell, the inputs of forget dropped,
     then raise exc."""
-    note = BadInput(f"sent nothing for it: the call failed there because of bad input "
-                    f"({type(exc).__name__}: {exc})")
+    _tell(eng, f"because of bad input ({type(exc).__name__}: {exc})", tell, forget)
+    raise exc
+    yield    # (a generator)
+
+
+def failed_before_sending(eng, exc, tell, forget):
+    """A neighbor operation whose arguments were accepted failed with exc before it
+    sent its data (an allocation, the packing of a tensor, a GPU error at the copy
+    to the host): each (rank, key) of tell is told instead of waiting for it, and the
+    inputs of forget (what its neighbors send for the call) are dropped. The task
+    raises exc after."""
+    _tell(eng, f"({type(exc).__name__}: {exc})", tell, forget)
+
+
+def _tell(eng, why, tell, forget):
+    note = BadInput(f"sent nothing for it: the call failed there {why}")
     for dst, key in tell:
         eng.send_object(dst, key, note)
     eng.forget_inputs(forget)
-    raise exc
-    yield    # (a generator)
 
 
 def allgather_object(eng, op, obj):

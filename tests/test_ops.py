@@ -87,6 +87,17 @@ def test_a_failed_call_still_sends_what_it_sent_to_a_late_receiver():
     run_agents(4, "ops_failed_sends.py", timeout=90, untaken_ok=True, env={"BLUEFOG_STALL_WARNING_S": "30"})
 
 
+def test_a_call_that_fails_before_sending_fails_its_receivers_at_once():
+    """An agent whose call fails after its arguments were accepted, before it sent its
+    data (packing, allocation), tells the agents waiting for it: each neighbor op kind
+    (alone, fused, large, scaled, run by the caller, machine-local, hierarchical) fails
+    on them naming the agent and its error instead of waiting (BLUEFOG_OP_TIMEOUT_S turns
+    a wait into a failure), and the next call of each name matches numpy. A collective
+    that fails there after the agents agreed on it refuses that agent's later collectives."""
+    run_agents(4, "ops_failed_packing.py", timeout=120,
+               env={"BLUEFOG_OP_TIMEOUT_S": "5", "BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_blocking_calls_run_by_their_caller_match_numpy_and_mix_with_nonblocking_agents(mode):
     env = {"BLUEFOG_CALLER_PROGRESS": "1" if mode == "on" else "0"}
