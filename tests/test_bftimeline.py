@@ -478,6 +478,30 @@ def test_hierarchical_arrows_start_and_end_in_the_phase_of_their_exchange(tmp_pa
         assert phase[0] <= start["ts"] <= phase[1] and phase[0] <= finish["ts"] <= phase[1], (u, v, start, finish)
 
 
+def test_a_split_fused_members_arrows_end_where_its_last_wait_ended(tmp_path, capsys):
+    """Agent 0 fused a and b; agent 1 called b late, so the stall inspector split agent
+    0's group: b's MPI_ slice holds the group's COMMUNICATE (1100-1500, with the
+    SEND_TO mark), then b's own wait for agent 1 (1600-3000, no mark), while agent 1
+    sent b in 2000-2800. The arrow 1 -> 0 ends in the second: before, it ended at the
+    split (1500), before agent 1 had sent."""
+    prefix = str(tmp_path / "tl_")
+    kind = "NEIGHBOR_ALLREDUCE"
+    write_agent(prefix + "0.json", 0, 2,
+                [("b", "main", "ENQUEUE_" + kind, 1000, 3100), ("b", "communication", "MPI_" + kind, 1050, 3050),
+                 ("b", "communication", "COMMUNICATE", 1100, 1500),
+                 ("b", "communication", "COMMUNICATE", 1600, 3000)],
+                instants=[("b", "communication", "SEND_TO 1", 1150)])
+    write_agent(prefix + "1.json", 1, 2, op_call("b", kind, (1900, 2900), (1950, 2850), (2000, 2800)),
+                instants=[("b", "communication", "SEND_TO 0", 2050)])
+    code, _, _ = cli(["merge", prefix, "-o", tmp_path / "m.json"], capsys)
+    assert code == 0
+    arrows = {(u - 1, v - 1): (s["ts"], f["ts"]) for u, v, s, f in check_flows(load_json(tmp_path / "m.json"))}
+    assert set(arrows) == {(0, 1), (1, 0)}
+    assert 1100 <= arrows[(0, 1)][0] <= 1500                       # agent 0 sent in the group's slice
+    assert 2000 <= arrows[(1, 0)][0] <= 2800 and 1600 <= arrows[(1, 0)][1] <= 3000
+    assert arrows[(1, 0)][0] <= arrows[(1, 0)][1]
+
+
 def test_streaming_reader_accepts_a_crashed_file(tmp_path):
     prefix = crashed_run(tmp_path)
     path = prefix + "1.json"

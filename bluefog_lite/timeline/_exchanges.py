@@ -34,15 +34,17 @@ to) of each, else None (see phase_of)."""
 
 def phase_of(ex, k, peer, sending):
     """(begin, end) of the COMMUNICATE of call k where this agent sent to peer
-    (sending) or received from it: the slice whose send marks name peer (the
-    exchange within a machine goes both ways), else the first slice for a send and
-    the last for a receive (between machines); None where that slice never ended.
-    Calls of one COMMUNICATE: from send/send_end or recv_begin/recv."""
+    (sending) or received from it: the first slice whose send marks name peer for
+    a send, the last for a receive (the exchange within a machine goes both ways;
+    the later slices of a split fused group wait for the same ranks), else the
+    first slice for a send and the last for a receive (between machines); None
+    where that slice never ended. Calls of one COMMUNICATE: from send/send_end or
+    recv_begin/recv."""
     phases = ex.phases[k] if k < len(ex.phases) else None
     if phases is None:
         return (ex.send[k], ex.send_end[k]) if sending else (ex.recv_begin[k], ex.recv[k])
     marked = [p for p in phases if peer in p[3]]
-    begin, end, ended, _ = marked[0] if marked else phases[0 if sending else -1]
+    begin, end, ended, _ = (marked[0] if sending else marked[-1]) if marked else phases[0 if sending else -1]
     return (begin, end) if ended or sending else None
 
 
@@ -94,10 +96,7 @@ class AgentExchanges:
             ex = self._exchanges.get((s.pid, kind))
             if ex is None:
                 ex = self._exchanges[(s.pid, kind)] = Exchanges(*(array("d") for _ in range(4)), array("l"), [], [])
-            ex.phases.append(tuple(
-                (c.begin, c.end, c.finished and s.finished,
-                 frozenset(r for ts, ranks in marked if c.begin <= ts <= c.end for r in ranks))
-                for c in inside) if len(inside) > 1 else None)
+            ex.phases.append(_phases(inside, marked, s.finished) if len(inside) > 1 else None)
             if inside:
                 first, final = inside[0], inside[-1]
                 ex.send.append(first.begin)
@@ -135,3 +134,19 @@ class AgentExchanges:
             self.pids[process_name(pid)] = pid
         self._arrivals = self._exchanges = self._communicate = self._enqueue_end = self._sends = None
         return self
+
+
+def _phases(inside, marked, finished):
+    """(begin, end, ended, ranks it marked sending to) of each COMMUNICATE slice of a
+    call. A slice with no SEND_TO mark in it after one with marks is the wait of a
+    fused group split by the stall inspector for its members still missing
+    (_neighbor_tasks._one_by_one sends nothing): it waits for the ranks marked
+    before it, and the call's receives end there, not at the end of the group's
+    slice (the split)."""
+    out, ranks = [], frozenset()
+    for c in inside:
+        here = [rs for ts, rs in marked if c.begin <= ts <= c.end]
+        if here:
+            ranks = frozenset(r for rs in here for r in rs)
+        out.append((c.begin, c.end, c.finished and finished, ranks))
+    return tuple(out)

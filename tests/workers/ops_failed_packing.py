@@ -196,7 +196,8 @@ else:
 got = outcome(lambda: bf.allreduce(torch.ones(3), name="pk.ar.next"))
 assert got and got[0] == "RuntimeError" and "cannot run" in got[1], got
 if rank == FAILING:
-    assert "failed on this agent (rank 1) after the agents agreed on it, before its MPI call (MemoryError" in got[1], got
+    assert ("failed on this agent (rank 1) after the agents agreed on it, before its MPI call "
+            "(MemoryError") in got[1], got
 bf.barrier()
 
 print(f"AGENT OK {rank}", flush=True)
