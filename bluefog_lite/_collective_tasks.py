@@ -8,16 +8,16 @@ from ._devices import copied
 from ._mpi import MPI
 from ._neighbor_tasks import mark_sends
 from ._stream import dtype_name, tensor_bytes
-from ._stalls import out_of_step
-from ._tasks import _HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exchange_headers
-from ._waits import Requests, Turn
+from ._tasks import (_HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exchange_headers, mpi_turn,
+                     skipped_collective)
+from ._waits import Requests
 
 
 def _collective_call(eng, op, nonempty, post, what, sends_to=None):
     """In the global collective order: make the MPI call (none for empty tensors),
     let later collectives go, and wait for it. sends_to: the ranks it sends to, marked
     for the timeline once the call is posted."""
-    yield Turn(op.coll_seq)
+    yield from mpi_turn(eng, op)
     with _phase(op.name, "COMMUNICATE"):
         req = post() if nonempty else None
         if sends_to is not None:
@@ -25,18 +25,6 @@ def _collective_call(eng, op, nonempty, post, what, sends_to=None):
         eng.posted_collective(op)
         if req is not None:
             yield Requests([req], what)
-
-
-def _unposted(eng, op, exc):
-    """exc raised after the agents agreed on collective op, before its MPI call was
-    made on this agent (coll_seq is cleared when it is): the others make theirs and
-    wait in it, and it would pair with this agent's next collective."""
-    if op.coll_seq is not None:
-        eng.collectives_broken = out_of_step(
-            f"the collective {op.kind} {op.name!r} failed on this agent (rank {eng.rank}) after the agents "
-            f"agreed on it, before its MPI call ({type(exc).__name__}: {exc})",
-            "the other agents make that call's MPI collective, which would pair with this agent's next one and "
-            "mix their data; they wait in it, and the stall warning names it")
 
 
 def _reduced_in(dtype, average):
@@ -81,7 +69,7 @@ def allreduce(eng, op, x, average, target):
         yield from _collective_call(eng, op, out.numel() > 0,
                                     lambda: eng.comm.Iallreduce(src, out.numpy(), MPI.SUM), "MPI_Iallreduce")
     except Exception as exc:
-        _unposted(eng, op, exc)
+        skipped_collective(eng, op, exc)
         raise
     if average:
         with _phase(op.name, "COMPUTE_AVERAGE"):
@@ -112,7 +100,7 @@ def broadcast(eng, op, x, root, target):
             # timeline: the data goes from the root to every other agent
             "MPI_Ibcast", [r for r in range(eng.size) if r != root] if eng.rank == root else None)
     except Exception as exc:
-        _unposted(eng, op, exc)
+        skipped_collective(eng, op, exc)
         raise
     if target is not None and out is not target:
         target.copy_(out)
@@ -139,7 +127,7 @@ def allgather(eng, op, x):
             [tensor_bytes(x), counts[eng.rank], MPI.BYTE], [tensor_bytes(out), (counts, displs), MPI.BYTE]),
             "MPI_Iallgatherv")
     except Exception as exc:
-        _unposted(eng, op, exc)
+        skipped_collective(eng, op, exc)
         raise
     return out
 

@@ -30,15 +30,17 @@ def _topology_check(eng, op, sends, recvs):
                          + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
 
 
-def _send_all(eng, op, key, x, send_plan, members=None):
+def _send_all(eng, op, key, x, send_plan, tried, members=None):
     """Send x to every (dst, scale) of the plan (a scaled copy per distinct scale that
     is not None: destinations with the same scale share it). Everything is packed
-    before the first send: a failure sends nothing (see failed_before_sending)."""
+    before the first send; each destination goes into list tried before its send is
+    queued (after a failure, the ones not in it are told: see failed_before_sending)."""
     outgoing = {}
     for _, scale in send_plan:
         if scale not in outgoing:
             outgoing[scale] = Outgoing(x if scale is None else scaled(x, scale), members)
     for dst, scale in send_plan:
+        tried.append(dst)
         eng.send_tensor(op, dst, key, outgoing[scale])
     if members is None:     # a fused group marks each member's row itself
         mark_sends(op.name, (dst for dst, _ in send_plan))
@@ -75,29 +77,29 @@ def neighbor_allreduce(eng, op, x, self_weight, src_weights, send_plan, recv_fro
     name = op.name
     if check:
         yield from _topology_check(eng, op, [d for d, _ in send_plan], recv_from)
-    out, entries = yield from _exchange(eng, op, x, lambda: _send_all(eng, op, name, x, send_plan),
+    out, entries = yield from _exchange(eng, op, x, lambda tried: _send_all(eng, op, name, x, send_plan, tried),
                                         send_plan, recv_from)
     return average_of(op, x, out, self_weight, src_weights, entries)
 
 
 def _exchange(eng, op, x, send, send_plan, recv_from):
     """The first half of a neighbor call: wait for the copy of a device input to the
-    host, allocate the output (like x), send (send()) and receive from recv_from.
-    Returns (output, entries). A failure before send() is done tells the plan's
-    destinations and drops what recv_from send for the call (failed_before_sending)."""
+    host, allocate the output (like x), send (send(tried), see _send_all) and receive
+    from recv_from. Returns (output, entries). A failure on the way tells the plan's
+    destinations not tried and drops what recv_from send for the call
+    (failed_before_sending)."""
     name = op.name
-    sent = False
+    tried = []
     try:
         yield from copied(op)
         with _phase(name, "ALLOCATE_OUTPUT"):
             out = torch.empty_like(x)
         with _phase(name, "COMMUNICATE"):
-            send()
-            sent = True
+            send(tried)
             entries = yield Recv([(src, name) for src in recv_from])
     except Exception as exc:
-        if not sent:
-            failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan], [(s, name) for s in recv_from])
+        failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan if d not in tried],
+                              [(s, name) for s in recv_from])
         raise
     return out, entries
 
@@ -130,7 +132,7 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
     ops = [op for op, _ in members]
     xs = [x for _, x in members]
     names = [op.name for op in ops]
-    sent = False
+    tried = []
     try:
         yield from copied(*ops)
         sizes = [x.numel() for x in xs]
@@ -141,14 +143,13 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
         shapes = [tuple(x.shape) for x in xs]
         desc = list(zip(names, shapes, sizes))
         with _phase(names, "COMMUNICATE"):
-            _send_all(eng, lead, None, flat, send_plan, desc)
-            sent = True
+            _send_all(eng, lead, None, flat, send_plan, tried, desc)
             mark_sends(names, (dst for dst, _ in send_plan))
             entries = yield Recv([(src, name) for src in recv_from for name in names])
     except Exception as exc:
-        if not sent:     # (a note under each member's name: the receivers may group them otherwise)
-            failed_before_sending(eng, exc, [(d, n) for d, _ in send_plan for n in names],
-                                  [(s, n) for s in recv_from for n in names])
+        # (a note under each member's name: the receivers may group them otherwise)
+        failed_before_sending(eng, exc, [(d, n) for d, _ in send_plan if d not in tried for n in names],
+                              [(s, n) for s in recv_from for n in names])
         raise
     if entries.__class__ is Partial:      # the group was split (_stalls.py)
         yield from _one_by_one(eng, ops, xs, self_weight, src_weights, recv_from, entries.taken)
@@ -255,19 +256,19 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
     name = op.name
     if check:
         yield from _topology_check(eng, op, send_to, recv_from)
-    sent = False
+    tried = []
     try:
         yield from copied(op)
         with _phase(name, "COMMUNICATE"):
             out = Outgoing(x, sent_by=op.kind)
             for dst in send_to:
+                tried.append(dst)
                 eng.send_tensor(op, dst, name, out)
-            sent = True
             mark_sends(name, send_to)
             entries = yield Recv([(src, name) for src in recv_from])
     except Exception as exc:
-        if not sent:
-            failed_before_sending(eng, exc, [(d, name) for d in send_to], [(s, name) for s in recv_from])
+        failed_before_sending(eng, exc, [(d, name) for d in send_to if d not in tried],
+                              [(s, name) for s in recv_from])
         raise
     try:
         trail = (str(x.dtype).replace("torch.", ""), tuple(x.shape[1:]))
@@ -288,8 +289,10 @@ def neighbor_allgather(eng, op, x, send_to, recv_from, check):
 
 
 def pair_gossip(eng, op, x, target, self_weight, pair_weight):
-    def send():
-        eng.send_tensor(op, target, op.name, Outgoing(x, sent_by=op.kind))
+    def send(tried):
+        out = Outgoing(x, sent_by=op.kind)
+        tried.append(target)
+        eng.send_tensor(op, target, op.name, out)
         mark_sends(op.name, [target])
     out, entries = yield from _exchange(eng, op, x, send, [(target, None)], [target])
     try:
@@ -308,18 +311,16 @@ def _machine_sum(eng, op, x, local_ranks):
     (hierarchical_neighbor_allreduce only; allreduce refuses it)."""
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
-    sent = False
+    tried = []
     try:
         yield from copied(op)
         with _phase(op.name, "ALLOCATE_OUTPUT"):
             total = torch.empty(x.shape, dtype=_machine_sum_dtype(x))
         with _phase(op.name, "COMMUNICATE"):
-            _send_all(eng, op, key, x, [(r, None) for r in peers])
-            sent = True
+            _send_all(eng, op, key, x, [(r, None) for r in peers], tried)
             local = yield Recv([(r, key) for r in peers])
     except Exception as exc:
-        if not sent:
-            failed_before_sending(eng, exc, [(r, key) for r in peers], [(r, key) for r in peers])
+        failed_before_sending(eng, exc, [(r, key) for r in peers if r not in tried], [(r, key) for r in peers])
         raise
     try:
         _check_same(op, x, local)
@@ -382,7 +383,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     key, dtype_key = machine_keys(op.name)
     for dst, _ in send_plan:
         eng.send_object(dst, dtype_key, dtype_name(x.dtype))
-    sent = False
+    tried = []
     try:
         machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
         with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
@@ -398,18 +399,17 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             else:   # an integer sum goes as float64, the dtype it is weighted in
                 machine_sum = machine_sum.to(acc.dtype)
         with _phase(op.name, "COMMUNICATE"):
-            _send_all(eng, op, key, machine_sum, send_plan)
-            sent = True
+            _send_all(eng, op, key, machine_sum, send_plan, tried)
             entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
     except Exception as err:
-        if not sent:
-            # No sum for this machine (or none packed): the agents waiting for it fail too
-            # (instead of waiting forever), and what they send this agent must not feed a later call.
-            why = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-            note = BadInput(f"has no machine sum to send, because on its machine: {why}")
-            for dst, _ in send_plan:
+        # No sum for this machine (or not sent): the agents waiting for it fail too (instead
+        # of waiting forever), and what they send this agent must not feed a later call.
+        why = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        note = BadInput(f"has no machine sum to send, because on its machine: {why}")
+        for dst, _ in send_plan:
+            if dst not in tried:
                 eng.send_object(dst, key, note)
-            eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
+        eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
         raise
     remote, dtypes = entries[:len(recv_from)], entries[len(recv_from):]
     try:

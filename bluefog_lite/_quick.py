@@ -85,7 +85,9 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
         # would leave the name's rounds out of step (the next call takes this one's input)
         plain = None
         packets = []
+        tried = []
         try:
+            out = torch.empty_like(x)
             for dst, scale in send_plan:
                 if scale is None:
                     if plain is None:
@@ -94,14 +96,14 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
                 else:
                     with np.errstate(all="ignore"):     # (see _average)
                         packets.append((dst, s.small_packet(name, meta, xa * scale)))
+            ring = eng.doorbell.ring
+            for dst, packet in packets:
+                tried.append(dst)
+                s.send_packet(dst, packet)
+                ring(dst)
         except Exception as exc:
-            _failed_before_sending(eng, exc, name, send_plan, recv_from)
+            _failed_before_sending(eng, exc, name, send_plan, recv_from, tried)
             raise
-        ring = eng.doorbell.ring
-        for dst, packet in packets:
-            s.send_packet(dst, packet)
-            ring(dst)
-        out = torch.empty_like(x)
         window = min(eng.yield_window_s, _LONGEST_SPIN_S)
         arrays = _arrays(eng, name, meta, head, xa, recv_from, window)
         if arrays is not None:
@@ -226,19 +228,21 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     name, s = call.name, eng.stream
     meta = (dtype_name(x.dtype), tuple(x.shape))
     outgoing = {}    # scale -> (tensor, its bytes): x, or one scaled copy per distinct scale
+    tried = []
     try:
+        out = torch.empty_like(x)
         for _, scale in send_plan:
             if scale not in outgoing:
                 y = x if scale is None else _neighbor_tasks.scaled(x, scale)
                 outgoing[scale] = (y, tensor_bytes(y))
+        for dst, scale in send_plan:     # descriptors, then the data
+            data = outgoing[scale]
+            tried.append(dst)
+            s.send_large(dst, name, meta, data[1], data[0], call.data_requests)
     except Exception as exc:
-        _failed_before_sending(eng, exc, name, send_plan, recv_from)
+        _failed_before_sending(eng, exc, name, send_plan, recv_from, tried)
         raise
-    for dst, scale in send_plan:     # descriptors, then the data
-        data = outgoing[scale]
-        s.send_large(dst, name, meta, data[1], data[0], call.data_requests)
     eng.ring_peers()
-    out = torch.empty_like(x)
     keys = [(src, name) for src in recv_from]
     window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
     entries = _inputs(eng, keys, window)
@@ -250,8 +254,9 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     return out, lambda e, op: _result(out)     # only its sends are left
 
 
-def _failed_before_sending(eng, exc, name, send_plan, recv_from):
-    _tasks.failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan], [(s, name) for s in recv_from])
+def _failed_before_sending(eng, exc, name, send_plan, recv_from, tried):
+    _tasks.failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan if d not in tried],
+                                 [(s, name) for s in recv_from])
 
 
 def _result(out):

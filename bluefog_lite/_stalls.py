@@ -22,13 +22,6 @@ from ._mpi import MPI
 from ._waits import Partial, Recv, Requests, Sleep, Turn, Until
 
 
-def out_of_step(what, why):
-    """Engine.collectives_broken's text: what happened, why later collectives would mix data."""
-    return (f"{what}, so its collectives are out of step with the other agents' ({why}); allreduce, "
-            "broadcast, allgather, win_create and win_free cannot run on it any more in this run (neighbor "
-            "operations, barrier and window puts, gets and updates still can)")
-
-
 class OpTimeout(TimeoutError):
     """An operation waited longer than BLUEFOG_OP_TIMEOUT_S."""
 
@@ -61,6 +54,13 @@ def _negotiation(key, entry):
         if v.__class__ is tuple and len(v) == 3:
             return v[0], v[1]
     return None
+
+
+def _skip_word(key):
+    """True for the key ("S", seq) of another agent's word that its collective seq failed
+    before its MPI call (_tasks.skipped_collective): left unread where that call was
+    made, which the stall warning or timeout of that call already shows."""
+    return key.__class__ is tuple and key[0] == "S" and key[1].__class__ is int
 
 
 def _name_of(key, entry):
@@ -240,10 +240,13 @@ class StallInspector:
                 if op.collective:
                     # The late agents may still make this collective's MPI call, which
                     # would pair with this agent's next one and mix their data
-                    self.collectives_broken = out_of_step(
-                        f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank})",
-                        "a late agent may still make that call's MPI collective, which would pair with this "
-                        "agent's next one and mix their data")
+                    self.collectives_broken = (
+                        f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank}), "
+                        "so its collectives are out of step with the other agents' (a late agent may still "
+                        "make that call's MPI collective, which would pair with this agent's next one and "
+                        "mix their data); allreduce, broadcast, allgather, win_create and win_free cannot "
+                        "run on it any more in this run (neighbor operations, barrier and window puts, gets "
+                        "and updates still can)")
                 if op.finished_task:
                     # only its sends are left: _finish keeps them going (keep_sending). A
                     # fused group's members sent in the same message: they fail with it
@@ -287,7 +290,7 @@ class StallInspector:
                 self._drop_stale(key)      # a timed-out operation's late input
         untaken = {}
         for (src, key), q in s.inbox.items():
-            if q:
+            if q and not _skip_word(key):
                 label = (src, _name_of(key, q[0]))
                 untaken[label] = untaken.get(label, 0) + len(q)
         if not untaken:

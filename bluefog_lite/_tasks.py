@@ -11,8 +11,8 @@ was refused.
 """
 import torch
 
-from ._waits import Recv
 from ._stream import MARKED_KINDS, dtype_name
+from ._waits import Recv, Turn
 from .timeline import _recorder as tl
 
 
@@ -169,6 +169,33 @@ def exchange_headers(eng, op, payload, mpi_call=False):
     if bad:
         raise failed_everywhere(f"{op.kind} {op.name!r}", bad)
     return [v[2] for v in views]
+
+
+def mpi_turn(eng, op):
+    """Wait until op, which makes an MPI collective call, may make it: the earlier
+    ones of this agent have made theirs (Turn). If one of them failed instead, after
+    the agents agreed on it (Engine.skipped_collective), op waits for the word of
+    every other agent that it failed there too: then no agent waits in that call,
+    and op's call pairs with theirs. An agent that made it waits in it for good, and
+    op's call would pair with it (mixing their data): op waits too (stall warning)."""
+    yield Turn(op.coll_seq)
+    skipped = eng.skipped_collective
+    if skipped is not None:
+        key = ("S", skipped[0])
+        with _phase(op.name, "NEGOTIATION"):
+            yield Recv([(r, key) for r in range(eng.size) if r != eng.rank])
+        eng.skipped_collective = None
+
+
+def skipped_collective(eng, op, exc):
+    """exc raised after the agents agreed on collective op, before its MPI call was
+    made on this agent (op.coll_seq is cleared when it is): its next MPI collective
+    waits until every other agent says it failed there too (mpi_turn)."""
+    if op.coll_seq is not None and eng.size > 1:
+        eng.skipped_collective = (op.coll_seq, f"{op.kind} {op.name!r}", f"{type(exc).__name__}: {exc}")
+        for r in range(eng.size):
+            if r != eng.rank:
+                eng.send_object(r, ("S", op.coll_seq), None)
 
 
 def failed_everywhere(what, bad, kind=ValueError):

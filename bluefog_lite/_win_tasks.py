@@ -29,11 +29,11 @@ import torch
 
 from ._arguments import _fits_scaled
 from ._stalls import OpTimeout
-from ._waits import Requests, Sleep, Turn
+from ._waits import Requests, Sleep
 from ._mpi import MPI
 from ._stream import plain
 from ._neighbor_tasks import scaled
-from ._tasks import _phase, exchange_headers, failed_everywhere, weighted_sum
+from ._tasks import _phase, exchange_headers, failed_everywhere, mpi_turn, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
@@ -299,7 +299,7 @@ def create(eng, op, win, problem, meta, zero_init):
         listing = ", ".join(f"rank {r}: {v[1][0]!r} {v[1][1]}{list(v[1][2])}" for r, v in enumerate(views))
         raise ValueError(f"win_create: agents passed different windows ({listing}); every agent must "
                          "create the window with the same name and a tensor of the same shape and dtype")
-    yield Turn(op.coll_seq)
+    yield from mpi_turn(eng, op)
     with _phase(op.name, "ALLOCATE_OUTPUT"):
         multi_host = _spans_hosts(eng)
         mpi_win = MPI.Win.Allocate(win.layout.size, 1, comm=eng.comm)
@@ -337,7 +337,7 @@ def free(eng, op, wins, names, problem):
     started = [(w, w.tickets) for w in wins]
     while any(w.serving < t for w, t in started):
         yield Sleep(5e-5, "this agent's operations on the windows being freed")
-    yield Turn(op.coll_seq)
+    yield from mpi_turn(eng, op)
     with _phase(op.name, "COMMUNICATE"):
         for w in wins:
             with w.memory:

@@ -92,8 +92,10 @@ def test_a_call_that_fails_before_sending_fails_its_receivers_at_once():
     data (packing, allocation), tells the agents waiting for it: each neighbor op kind
     (alone, fused, large, scaled, run by the caller, machine-local, hierarchical) fails
     on them naming the agent and its error instead of waiting (BLUEFOG_OP_TIMEOUT_S turns
-    a wait into a failure), and the next call of each name matches numpy. A collective
-    that fails there after the agents agreed on it refuses that agent's later collectives."""
+    a wait into a failure), and the next call of each name matches numpy; the agents
+    that got its data before it failed take no note. A collective that fails there after
+    the agents agreed on it: on every agent, the next ones run; on one, its next MPI
+    collective waits instead of pairing with the others' pending call."""
     run_agents(4, "ops_failed_packing.py", timeout=120,
                env={"BLUEFOG_OP_TIMEOUT_S": "5", "BLUEFOG_RANKS_PER_MACHINE": "2"})
 
