@@ -299,6 +299,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _prefix = ""    # of the names a parameter's communication runs under (WinPut: its window's)
     _named_ops = True   # a parameter's operations run under its name (not WinPut's windows)
     counts_own_timeline_steps = True    # its step() counts for the timeline's step window (wrapper_step)
+    _REWRAP = "call remove_hooks() and wrap the optimizer again"    # (for parameters it does not know)
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, name_prefix=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -604,8 +605,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if thawed:
             return (f"parameters {[n for n, _ in thawed][:5]} of the model did not require gradients when "
                     f"{type(self).__name__} was created and now have them: the wrapper does not communicate them, "
-                    "so the agents' copies would drift apart (this step did not step them). After unfreezing, "
-                    "call remove_hooks() and wrap the optimizer again", [p for _, p in thawed])
+                    f"so the agents' copies would drift apart (this step did not step them). After unfreezing, "
+                    f"{self._REWRAP}", [p for _, p in thawed])
         if _registered[0] != self._registered_seen:
             return self._new_parameters()
         return None, ()
@@ -642,7 +643,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if used:
             return (f"parameters {[n for n, _ in used][:5]} were added to the model after {type(self).__name__} "
                     "was created: the wrapper does not communicate them, so the agents' copies would drift apart "
-                    "(this step did not step them). Call remove_hooks() and wrap the optimizer again (with the new "
+                    f"(this step did not step them). {self._REWRAP[0].upper()}{self._REWRAP[1:]} (with the new "
                     "parameters in its groups)", [p for _, p in used])
         if not new:     # (else look again: they may get gradients later)
             self._registered_seen = _registered[0]
@@ -937,6 +938,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         except NoStepRule as exc:      # no rule for it: Bluefog's opt.register_step_function(f) may come next
             self._local_step = _no_step_rule(exc)
         self._updated = set()
+        self._grads_used = {}    # name -> (parameter, gradient, its version) its hook stepped with
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
@@ -972,9 +974,11 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                     "steps on the accumulated gradient. After a backward pass that raised, or one made for "
                     "another purpose (an input gradient: use torch.autograd.grad(loss, inputs), which leaves "
                     "the parameters alone), call step() or synchronize() to finish its round" + _REENTRANT_HINT)
+            grad = p.grad
             with torch.no_grad():
-                self._local_step(p, p.grad, self.optimizer.param_groups[group], self.optimizer.state[p])
+                self._local_step(p, grad, self.optimizer.param_groups[group], self.optimizer.state[p])
             self._updated.add(name)
+            self._grads_used[name] = (p, grad, grad._version)
             if self._communicating():
                 self._launched.add(name)
                 self._launch(name, p)
@@ -1020,6 +1024,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
                 "raised; for an input gradient, use torch.autograd.grad(loss, inputs), which leaves the "
                 "parameters alone")
         super().zero_grad(set_to_none)
+        self._grads_used.clear()
 
     def step(self, closure=None):
         if self._hooks is None:
@@ -1036,11 +1041,27 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._step_synchronize()
         finally:
             self._updated.clear()
+            changed = self._changed_grads()
         # the wrapped optimizer's step() never runs (its rule ran per parameter): tell a
         # learning-rate scheduler made on it that it stepped, as torch's step() would
         self.optimizer._opt_called = True
-        self._finish_step(refusal)
+        self._finish_step(refusal or changed)
         return loss
+
+    def _changed_grads(self):
+        """The error for gradients changed after their hook stepped with them (clipped,
+        unscaled by a GradScaler, replaced or zeroed between backward() and step()): the
+        change came too late and would be silently ignored. None if there are none."""
+        used, self._grads_used = self._grads_used, {}
+        changed = sorted(name for name, (p, grad, version) in used.items()
+                         if p.grad is not grad or grad._version != version)
+        if not changed:
+            return None
+        return (f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were changed after backward() "
+                "(clip_grad_norm_, GradScaler.unscale_, replaced or zeroed), but DistributedAdaptThenCombineOptimizer "
+                "steps each parameter inside backward(), as soon as its gradient is ready: this step used them as "
+                "backward() left them. Change gradients inside backward (p.register_hook(lambda g: ...) on the "
+                "parameter), or use DistributedAdaptWithCombineOptimizer, which steps in step()")
 
 
 class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
@@ -1200,6 +1221,7 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
     bf.win_free()) when done."""
     _named_ops = False
     _wait = staticmethod(windows.win_wait)
+    _REWRAP = "call remove_hooks() and free_windows(), then wrap the optimizer again"
 
     def __init__(self, optimizer, model, num_steps_per_communication=1, window_prefix=None):
         self._prefix = _prefix(window_prefix, "window_prefix")
@@ -1215,9 +1237,10 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
                     windows.win_free(made)
                 if "already exists" not in str(exc):
                     raise
-                raise ValueError(f"{exc}. {type(self).__name__} names its windows after the parameters: if "
-                                 "another wrapper's model has parameters of the same names, give one of them a "
-                                 "window_prefix (e.g. window_prefix='D')") from None
+                raise ValueError(f"{exc}. {type(self).__name__} names its windows after the parameters: an "
+                                 "earlier wrapper of this model whose windows were not freed (call its "
+                                 "free_windows()), or another wrapper's model with parameters of the same names "
+                                 "(give one of them a window_prefix, e.g. window_prefix='D')") from None
             created.append(self._prefix + name)
         self._count_forwards()
         self._launch_after_forward(self.model, self._put)

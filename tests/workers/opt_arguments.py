@@ -66,7 +66,29 @@ first = WINPUT(sgd(net.parameters()), net)
 raises(ValueError, "give one of them a window_prefix", WINPUT, sgd(other.parameters()), other)
 assert sorted(bf.get_current_created_window_names()) == ["bias", "weight"], "the refused wrapper left windows"
 first.remove_hooks()
+# ... and wrapping the same model again without freeing the first wrapper's windows says so
+raises(ValueError, "an earlier wrapper of this model whose windows were not freed (call its free_windows())",
+       WINPUT, sgd(net.parameters()), net)
 first.free_windows()
+
+# WinPut after unfreezing a parameter: the message's recipe (windows freed too) works
+frozen = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+frozen[0].requires_grad_(False)
+base = sgd(frozen[1].parameters())
+wp = WINPUT(base, frozen)
+frozen[0].requires_grad_(True)
+base.add_param_group({"params": frozen[0].parameters()})
+wp.zero_grad()
+frozen(torch.ones(2, 3)).sum().backward()
+raises(RuntimeError, "call remove_hooks() and free_windows(), then wrap the optimizer again", wp.step)
+wp.remove_hooks()
+wp.free_windows()
+wp = WINPUT(base, frozen)
+wp.zero_grad()
+frozen(torch.ones(2, 3)).sum().backward()
+wp.step()
+wp.remove_hooks()
+wp.free_windows()
 ok = AWC(sgd(net.parameters()), net, num_steps_per_communication=np.int64(2))   # numpy ints are ints
 assert ok.num_steps_per_communication == 2 and type(ok.num_steps_per_communication) is int
 ok.remove_hooks()
@@ -115,5 +137,25 @@ for wrapper in (AWC, WINPUT):
     opt.remove_hooks()
     if wrapper is WINPUT:
         opt.free_windows()
+# ATC steps each parameter inside backward(): a gradient changed between backward() and step()
+# (clipped, unscaled, replaced) is named at step(), whose round completes (the next step works)
+clip_net = torch.nn.Linear(3, 1)
+atc = ATC(sgd(clip_net.parameters()), clip_net)
+x = torch.ones(4, 3)
+for how in ("clip", "synchronize, then clip", "replace", None):
+    atc.zero_grad()
+    clip_net(x).sum().backward()
+    if how == "synchronize, then clip":
+        atc.synchronize()
+    if how is not None and how.endswith("clip"):
+        torch.nn.utils.clip_grad_norm_(clip_net.parameters(), 0.1)
+    elif how == "replace":
+        clip_net.bias.grad = torch.zeros(1)
+    if how is None:
+        atc.step()
+    else:
+        names = "['bias']" if how == "replace" else "['bias', 'weight']"
+        raises(RuntimeError, f"the gradients of {names} were changed after backward() (clip_grad_norm_", atc.step)
+atc.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
