@@ -193,9 +193,9 @@ class Engine(CallerDrive, StallInspector):
         self.tainted = {}
         # why MPI collectives can no longer run on this agent (one of them timed out), or None
         self.collectives_broken = None
-        # (seq, "KIND 'name'", error) of a collective that failed on this agent after the agents
-        # agreed on it, before its MPI call; settled at the next negotiation (_tasks.exchange_headers)
-        self.skipped_collective = None
+        # seq -> "KIND 'name'" of the collectives that failed on this agent after the agents
+        # agreed on them, before their MPI call (_tasks.mpi_turn)
+        self.skipped_collectives = {}
         self._stopping = False
         self._stop_seen = False     # the loop has looked once since stop() began (_sleep)
         self._sleeping = False         # the loop is (about to be) asleep: ring to wake it

@@ -12,7 +12,7 @@ was refused.
 import torch
 
 from ._stream import MARKED_KINDS, dtype_name
-from ._waits import Recv, Turn
+from ._waits import Recv, Turn, Until
 from .timeline import _recorder as tl
 
 
@@ -173,26 +173,35 @@ def exchange_headers(eng, op, payload, mpi_call=False):
 
 def mpi_turn(eng, op):
     """Wait until op, which makes an MPI collective call, may make it: the earlier
-    ones of this agent have made theirs (Turn). If one of them failed instead, after
-    the agents agreed on it (Engine.skipped_collective), op waits for the word of
-    every other agent that it failed there too: then no agent waits in that call,
-    and op's call pairs with theirs. An agent that made it waits in it for good, and
+    ones of this agent have made theirs (Turn). If some of them failed instead, after
+    the agents agreed on them (Engine.skipped_collectives), op waits for the word of
+    every other agent that each failed there too: then no agent waits in those calls,
+    and op's call pairs with theirs. An agent that made one waits in it for good, and
     op's call would pair with it (mixing their data): op waits too (stall warning)."""
     yield Turn(op.coll_seq)
-    skipped = eng.skipped_collective
-    if skipped is not None:
-        key = ("S", skipped[0])
+    skipped = sorted(seq for seq in eng.skipped_collectives if seq < op.coll_seq)
+    if skipped:
+        others = [r for r in range(eng.size) if r != eng.rank]
+        words = [(r, ("S", seq)) for seq in skipped for r in others]
+        has = eng.stream.has
+        what = ", ".join(eng.skipped_collectives[seq] for seq in skipped)
         with _phase(op.name, "NEGOTIATION"):
-            yield Recv([(r, key) for r in range(eng.size) if r != eng.rank])
-        eng.skipped_collective = None
+            yield Until(lambda: all(has(*w) for w in words),
+                        f"the word of every other agent that {what} failed there too (after the agents agreed on "
+                        f"{'it' if len(skipped) == 1 else 'them'}, before the MPI call), as on this agent (an agent "
+                        "that made that MPI call waits in it for good, and this call would pair with it)")
+        for w in words:
+            eng.stream.take(*w).release()
+        for seq in skipped:
+            del eng.skipped_collectives[seq]
 
 
 def skipped_collective(eng, op, exc):
     """exc raised after the agents agreed on collective op, before its MPI call was
-    made on this agent (op.coll_seq is cleared when it is): its next MPI collective
-    waits until every other agent says it failed there too (mpi_turn)."""
+    made on this agent (op.coll_seq is cleared when it is): the later MPI collectives
+    wait until every other agent says it failed there too (mpi_turn)."""
     if op.coll_seq is not None and eng.size > 1:
-        eng.skipped_collective = (op.coll_seq, f"{op.kind} {op.name!r}", f"{type(exc).__name__}: {exc}")
+        eng.skipped_collectives[op.coll_seq] = f"{op.kind} {op.name!r}"
         for r in range(eng.size):
             if r != eng.rank:
                 eng.send_object(r, ("S", op.coll_seq), None)

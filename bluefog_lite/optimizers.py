@@ -925,6 +925,14 @@ def _no_step_rule(exc):
     return step
 
 
+def _own_version(g):
+    """g's version counter, to see in-place changes of a gradient; None for a view into a
+    larger buffer (parameters joined by torch.cat or stack in the model, or gradients
+    kept in one flat buffer), which shares its version with the other views, changed
+    without it: only its replacement is seen."""
+    return None if g.untyped_storage().nbytes() != g.numel() * g.element_size() else g._version
+
+
 class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
     """x <- W (x - lr * grad f(x)): each parameter is updated in its gradient hook
     and its communication starts at once, overlapping the rest of backward."""
@@ -938,7 +946,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         except NoStepRule as exc:      # no rule for it: Bluefog's opt.register_step_function(f) may come next
             self._local_step = _no_step_rule(exc)
         self._updated = set()
-        self._grads_used = {}    # name -> (parameter, gradient, its version) its hook stepped with
+        self._grads_used = {}    # name -> (parameter, gradient, its version) its hook stepped with (_own_version)
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
@@ -977,8 +985,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             grad = p.grad
             with torch.no_grad():
                 self._local_step(p, grad, self.optimizer.param_groups[group], self.optimizer.state[p])
+            if not self._updated:   # (a new round: what an earlier one's hooks used is past)
+                self._grads_used.clear()
             self._updated.add(name)
-            self._grads_used[name] = (p, grad, grad._version)
+            self._grads_used[name] = (p, grad, _own_version(grad))
             if self._communicating():
                 self._launched.add(name)
                 self._launch(name, p)
@@ -1045,7 +1055,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         # the wrapped optimizer's step() never runs (its rule ran per parameter): tell a
         # learning-rate scheduler made on it that it stepped, as torch's step() would
         self.optimizer._opt_called = True
-        self._finish_step(refusal or changed)
+        self._finish_step("; and ".join(m for m in (refusal, changed) if m) or None)
         return loss
 
     def _changed_grads(self):
@@ -1054,7 +1064,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         change came too late and would be silently ignored. None if there are none."""
         used, self._grads_used = self._grads_used, {}
         changed = sorted(name for name, (p, grad, version) in used.items()
-                         if p.grad is not grad or grad._version != version)
+                         if p.grad is not grad or (version is not None and grad._version != version))
         if not changed:
             return None
         return (f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were changed after backward() "
@@ -1131,11 +1141,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
         g = p.grad
         with self._named_after(name):
             h = ops.allreduce_nonblocking(g, average=True, name=name)
-        # A view into a larger buffer (parameters joined by torch.cat or stack in the model,
-        # or gradients kept in one flat buffer) shares its version with the other views,
-        # which change without it: only its replacement is seen.
-        shared = g.untyped_storage().nbytes() != g.numel() * g.element_size()
-        self._averaged[id(p)] = (name, g, None if shared else g._version)
+        self._averaged[id(p)] = (name, g, _own_version(g))
         self._started(name, p, h)
 
     def _launch_rest(self):

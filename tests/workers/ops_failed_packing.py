@@ -214,7 +214,7 @@ case("hierarchical", lambda: bf.hierarchical_neighbor_allreduce(torch.from_numpy
      True, np.mean([data(r, (5,), 8) for r in range(size)], axis=0))
 
 # collectives that fail after the agents agreed on them, before their MPI call
-COPY_FAILS = {"pk.ar.all": range(size), "pk.ar": [FAILING]}     # call name: the ranks where it fails
+COPY_FAILS = {"pk.ar.all": range(size), "pk.ar": [FAILING], "pk.ag.all": range(size)}   # name: where it fails
 _copied = collective_tasks.copied
 
 
@@ -236,8 +236,11 @@ np.testing.assert_allclose(bf.broadcast(ones, 2, name="pk.bc.after").numpy(), np
 
 # on one agent: the others wait in that call's MPI collective for good (here until
 # BLUEFOG_OP_TIMEOUT_S), which would pair with the failed agent's next MPI collective (mixing
-# their data): that one waits for their word that they failed too, which never comes
+# their data): that one waits for their word that they failed too, which never comes; also
+# when another collective failed on every agent in between (their words for it do come)
 h = bf.allreduce_nonblocking(ones, name="pk.ar")
+got = outcome(lambda: bf.allgather(ones, name="pk.ag.all"))
+assert got and got[0] == "MemoryError", got
 h_next = bf.allreduce_nonblocking(ones, name="pk.ar.next")
 got = outcome(lambda: bf.synchronize(h))
 assert got and got[0] == ("MemoryError" if rank == FAILING else "OpTimeout"), got

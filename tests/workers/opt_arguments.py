@@ -157,5 +157,37 @@ for how in ("clip", "synchronize, then clip", "replace", None):
         names = "['bias']" if how == "replace" else "['bias', 'weight']"
         raises(RuntimeError, f"the gradients of {names} were changed after backward() (clip_grad_norm_", atc.step)
 atc.remove_hooks()
+
+
+# ... but not for gradients it changed itself: views of one buffer (biases joined by torch.cat share
+# a gradient buffer and its version) stepped by a rule that adds weight decay in place, as
+# Bluefog's rules do; nor for a round closed by synchronize() whose gradients were zeroed after
+class JoinedBiases(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_bias, self.v_bias = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+        self.aux = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        return x + torch.cat([self.q_bias, torch.zeros(2), self.v_bias])
+
+
+def decay_in_place(opt, p, grad, group):
+    p.add_(grad.add_(p, alpha=group["weight_decay"]), alpha=-group["lr"])
+
+
+joined = JoinedBiases()
+atc = ATC(torch.optim.SGD(joined.parameters(), lr=0.1, weight_decay=0.01), joined)
+atc.register_step_function(decay_in_place)
+for _ in range(2):
+    atc.zero_grad()
+    (joined(torch.ones(3, 6)) ** 2).sum().backward()
+    atc.step()
+joined.aux(torch.ones(1, 6)).sum().backward()       # a pass for another purpose, closed by synchronize()
+atc.synchronize()
+joined.zero_grad()
+(joined(torch.ones(3, 6)) ** 2).sum().backward()
+atc.step()
+atc.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
