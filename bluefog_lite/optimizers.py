@@ -930,6 +930,8 @@ def _own_version(g):
     larger buffer (parameters joined by torch.cat or stack in the model, or gradients
     kept in one flat buffer), which shares its version with the other views, changed
     without it: only its replacement is seen."""
+    if g.layout is not torch.strided:      # (sparse: no storage of its own to compare)
+        return g._version
     return None if g.untyped_storage().nbytes() != g.numel() * g.element_size() else g._version
 
 
