@@ -935,6 +935,18 @@ def _own_version(g):
     return None if g.untyped_storage().nbytes() != g.numel() * g.element_size() else g._version
 
 
+def _aliased(grad, grads):
+    """True if another of grads is in grad's memory (torch.stack's backward can give two
+    parameters one gradient buffer, each a whole tensor of it): they share a version
+    counter, so a change of either (copying its average in, a rule's in-place weight
+    decay) changes the other's version."""
+    if grad.layout is not torch.strided:
+        return False
+    ptr = grad.untyped_storage().data_ptr()
+    return any(g is not None and g is not grad and g.layout is torch.strided
+               and g.untyped_storage().data_ptr() == ptr for g in grads)
+
+
 class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
     """x <- W (x - lr * grad f(x)): each parameter is updated in its gradient hook
     and its communication starts at once, overlapping the rest of backward."""
@@ -1065,8 +1077,10 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         unscaled by a GradScaler, replaced or zeroed between backward() and step()): the
         change came too late and would be silently ignored. None if there are none."""
         used, self._grads_used = self._grads_used, {}
+        grads = [grad for _, grad, _ in used.values()]
         changed = sorted(name for name, (p, grad, version) in used.items()
-                         if p.grad is not grad or (version is not None and grad._version != version))
+                         if p.grad is not grad or (version is not None and grad._version != version
+                                                   and not _aliased(grad, grads)))
         if not changed:
             return None
         return (f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were changed after backward() "
@@ -1171,7 +1185,8 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def _apply(self, p, result):
         name, grad, version = self._averaged.pop(id(p), (None, p.grad, None))
-        if p.grad is not grad or (version is not None and grad._version != version):
+        if p.grad is not grad or (version is not None and grad._version != version
+                                  and not _aliased(grad, (q.grad for _, q in self._named))):
             # The allreduce reads the gradient until it is done: a change made meanwhile
             # (clip_grad_norm_ before step()) would be lost or half taken.
             raise RuntimeError(

@@ -189,5 +189,29 @@ joined.zero_grad()
 (joined(torch.ones(3, 6)) ** 2).sum().backward()
 atc.step()
 atc.remove_hooks()
+
+
+# ... nor two gradients in one memory (torch.stack's backward gives both parameters the same buffer):
+# copying one's average in (gradient allreduce) or a rule's in-place change of one moved the other's version
+class Stacked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return (x * torch.stack([self.a, self.b]).sum(0)).sum()
+
+
+for wrapper in (GAR, ATC):
+    stacked = Stacked()
+    opt = wrapper(torch.optim.SGD(stacked.parameters(), lr=0.1, weight_decay=0.01), stacked)
+    if wrapper is ATC:
+        opt.register_step_function(decay_in_place)
+    for _ in range(2):
+        opt.zero_grad()
+        stacked(torch.arange(4.0)).backward()
+        assert stacked.a.grad.data_ptr() == stacked.b.grad.data_ptr()     # (what the case is about)
+        opt.step()
+    opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
