@@ -98,10 +98,16 @@ def _exchange(eng, op, x, send, send_plan, recv_from):
             send(tried)
             entries = yield Recv([(src, name) for src in recv_from])
     except Exception as exc:
-        failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan if d not in tried],
-                              [(s, name) for s in recv_from])
+        failed_plan(eng, exc, name, send_plan, recv_from, tried)
         raise
     return out, entries
+
+
+def failed_plan(eng, exc, name, send_plan, recv_from, tried):
+    """failed_before_sending for a call of one name: the plan's destinations not in
+    tried are told, recv_from's inputs for it dropped (the general and quick paths)."""
+    failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan if d not in tried],
+                          [(s, name) for s in recv_from])
 
 
 def neighbor_allreduce_rest(eng, op, x, out, self_weight, src_weights, keys):

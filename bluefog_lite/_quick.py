@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from . import _neighbor_tasks, _tasks
+from . import _neighbor_tasks
 from ._mpi import MPI
 from ._stream import STREAM_TAG, dtype_name, tensor_bytes
 from .timeline import _recorder as tl
@@ -102,7 +102,7 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
                 s.send_packet(dst, packet)
                 ring(dst)
         except Exception as exc:
-            _failed_before_sending(eng, exc, name, send_plan, recv_from, tried)
+            _neighbor_tasks.failed_plan(eng, exc, name, send_plan, recv_from, tried)
             raise
         window = min(eng.yield_window_s, _LONGEST_SPIN_S)
         arrays = _arrays(eng, name, meta, head, xa, recv_from, window)
@@ -240,7 +240,7 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
             tried.append(dst)
             s.send_large(dst, name, meta, data[1], data[0], call.data_requests)
     except Exception as exc:
-        _failed_before_sending(eng, exc, name, send_plan, recv_from, tried)
+        _neighbor_tasks.failed_plan(eng, exc, name, send_plan, recv_from, tried)
         raise
     eng.ring_peers()
     keys = [(src, name) for src in recv_from]
@@ -252,11 +252,6 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left
-
-
-def _failed_before_sending(eng, exc, name, send_plan, recv_from, tried):
-    _tasks.failed_before_sending(eng, exc, [(d, name) for d, _ in send_plan if d not in tried],
-                                 [(s, name) for s in recv_from])
 
 
 def _result(out):

@@ -1077,10 +1077,9 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         unscaled by a GradScaler, replaced or zeroed between backward() and step()): the
         change came too late and would be silently ignored. None if there are none."""
         used, self._grads_used = self._grads_used, {}
-        grads = [grad for _, grad, _ in used.values()]
         changed = sorted(name for name, (p, grad, version) in used.items()
                          if p.grad is not grad or (version is not None and grad._version != version
-                                                   and not _aliased(grad, grads)))
+                                                   and not _aliased(grad, (g for _, g, _ in used.values()))))
         if not changed:
             return None
         return (f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were changed after backward() "
