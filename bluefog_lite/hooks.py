@@ -117,6 +117,7 @@ def install_unless_present(model, prefix=""):
 
 
 def _install(model, prefix):
+    keep_out_of_compiled_graphs()
     names = {id(p): prefix + n for n, p in model.named_parameters()}
     owner = {}                 # parameter id -> index of the module that owns it
     state = _Pass()
@@ -152,6 +153,27 @@ class CopiedInert:
 
     def __reduce__(self):
         return (_Inert, ())
+
+
+def keep_out_of_compiled_graphs():
+    """Make the forward hooks (CopiedInert's subclasses) run as plain Python under
+    torch.compile: Dynamo would otherwise trace into them as part of the compiled
+    model (they launch communication and record the timeline; it breaks the graph
+    there anyway, and warns once per process where they reach a C function it
+    cannot trace). Done once, at the first installation (creating any torch
+    optimizer has imported Dynamo already). Costs ~0.3 us per hook call."""
+    if _kept_out[0]:
+        return
+    _kept_out[0] = True
+    todo = list(CopiedInert.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "__call__" in vars(cls):
+            cls.__call__ = torch.compiler.disable(cls.__call__)
+
+
+_kept_out = [False]
 
 
 class _Inert:

@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from . import ops, windows
 from ._local_steps import NoStepRule, check_step_function, step_function_for
 from ._runtime import state
-from .hooks import CopiedInert, install_unless_present, launched
+from .hooks import CopiedInert, install_unless_present, keep_out_of_compiled_graphs, launched
 from .timeline import _control as _timeline
 
 
@@ -347,6 +347,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._stepped = False       # step() ended the round; no pass, gradient or zero_grad() since
         self._in_order = None       # an _InOrder where collectives must start in one order
         self._hooks = []
+        keep_out_of_compiled_graphs()
         # per-step knobs for dynamic topologies (read when communication launches)
         self.self_weight = None
         self.src_weights = None

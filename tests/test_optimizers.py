@@ -57,6 +57,13 @@ def test_passes_inside_torch_func_transforms_start_nothing():
     run_agents(4, "opt_transforms.py", timeout=150)
 
 
+def test_compiled_models_train_as_uncompiled_ones_without_warnings(tmp_path):
+    """torch.compile'd before or after wrapping, timeline on: AWC (both kinds), ATC and
+    gradient allreduce give the uncompiled loop's parameters, and Dynamo does not trace
+    (and warn about) the wrappers' and the timeline's hooks (tests/workers/opt_compiled.py)."""
+    run_agents(2, "opt_compiled.py", timeout=150, env={"BLUEFOG_TIMELINE": str(tmp_path / "t")})
+
+
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes
