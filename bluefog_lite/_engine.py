@@ -325,6 +325,7 @@ class Engine(CallerDrive, StallInspector):
         while not op.wait_done(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the bluefog_lite communication thread has died")
+            self.blocked_check(op)
         if not self._forget(op):      # another thread synchronized it meanwhile
             raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
         if op.error is not None:

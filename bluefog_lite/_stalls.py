@@ -16,7 +16,9 @@ done (agents that order their calls differently).
 StallInspector is part of the Engine (its state is the engine's: the active
 operations, the inbox, the collective sequence).
 """
+import contextlib
 import sys
+import time
 
 from ._mpi import MPI
 from ._waits import Partial, Recv, Requests, Sleep, Turn, Until
@@ -74,6 +76,44 @@ def _name_of(key, entry):
 
 class StallInspector:
     """The Engine's stall inspection and the clean-up after a timeout."""
+
+    _blocked = None             # (op, what, since) while the loop is inside a blocking MPI call
+    _blocked_warned = None
+
+    @contextlib.contextmanager
+    def blocking_call(self, op, what):
+        """The loop is inside a blocking MPI collective (a window's allocation or free,
+        which MPI has in no nonblocking form) for op: the inspection, which runs on
+        the loop, cannot run meanwhile, so callers waiting in synchronize() warn and
+        time out for it (blocked_check). An agent that never makes the call (it failed
+        just before it) leaves the others there."""
+        self._blocked = (op, what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._blocked = None
+
+    def blocked_check(self, waiting):
+        """Called by a caller that waits for op waiting, now and then: the warning
+        and the timeout of the loop's blocking call, if it is in one too long."""
+        blocked = self._blocked
+        if blocked is None:
+            return
+        op, what, since = blocked
+        waited = time.monotonic() - since
+        if waited > self.stall_warning_s and self._blocked_warned is not blocked:
+            self._blocked_warned = blocked
+            sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): {op.kind} {op.name!r} has waited "
+                             f"{waited:.1f} s inside {what} (the other agents have not all made it: one that failed "
+                             "before it, or has not called it, leaves this agent there; nothing else of this "
+                             "agent's communication runs meanwhile)\n")
+            sys.stderr.flush()
+        if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.at_shutdown:
+            whose = "" if op is waiting else f", for {op.kind} {op.name!r}"
+            raise OpTimeout(f"{waiting.kind} {waiting.name!r} timed out on rank {self.rank} "
+                            f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}): the communication thread has waited "
+                            f"{waited:.1f} s inside {what}{whose} (an agent that failed before it, or has not "
+                            "called it, leaves this agent there for good)")
 
     def waiting_for_data(self):
         """[(op, its wait, ranks it waits for, waiting since)] for the active ops that

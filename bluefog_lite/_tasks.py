@@ -207,10 +207,10 @@ def skipped_collective(eng, op, exc):
                 eng.send_object(r, ("S", op.coll_seq), None)
 
 
-def failed_everywhere(what, bad, kind=ValueError):
+def failed_everywhere(what, bad, kind=ValueError, because="bad input"):
     """The error every agent raises when the input of some was bad: bad = [(rank, its error's text)]."""
     listing = "; ".join(f"rank {r}: {text}" for r, text in bad)
-    return kind(f"{what} failed on every agent because of bad input ({listing})")
+    return kind(f"{what} failed on every agent because of {because} ({listing})")
 
 
 class BadInput:

@@ -33,7 +33,7 @@ from ._waits import Requests, Sleep
 from ._mpi import MPI
 from ._stream import plain
 from ._neighbor_tasks import scaled
-from ._tasks import _phase, exchange_headers, failed_everywhere, mpi_turn, weighted_sum
+from ._tasks import _phase, exchange_headers, failed_everywhere, mpi_turn, skipped_collective, weighted_sum
 
 MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
              torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
@@ -173,11 +173,21 @@ def _wait_local(req, what):
 
 
 def _reset_versions(win, indices):
-    """Zero my version counters with MPI atomics: remote increments are atomics too."""
-    for i in indices:
-        _atomic(win.win, _ZERO, win.rank, Layout.version(i), MPI.REPLACE)
+    """Zero my version counters with MPI atomics (remote increments are atomics too);
+    returns a function that adds the counts taken back (the data was not used)."""
+    taken = np.zeros(len(indices), np.int64)
+    for j, i in enumerate(indices):
+        win.win.Fetch_and_op([_ZERO, MPI.INT64_T], [taken[j:j + 1], MPI.INT64_T], win.rank, Layout.version(i),
+                             MPI.REPLACE)
     if indices:
         win.win.Flush(win.rank)
+
+    def give_back():
+        for j, i in enumerate(indices):
+            _atomic(win.win, taken[j:j + 1], win.rank, Layout.version(i), MPI.SUM)
+        if indices:
+            win.win.Flush(win.rank)
+    return give_back
 
 
 def _publish(win):
@@ -270,12 +280,22 @@ def mutex_release(eng, op, win, ranks):
 
 # ---- collective: create, free ---------------------------------------------------------
 
-def _raise_problems(op, views):
+def _raise_problems(op, views, own_failure=None):
+    """views[r][0]: None or (error type name, message) of agent r's bad input, or of a
+    step that failed there before the agents agreed (own_failure: this agent's)."""
     problems = [(r, v[0]) for r, v in enumerate(views) if v[0] is not None]
     if not problems:
         return
-    kind = TypeError if problems[0][1][0] == "TypeError" else ValueError
-    raise failed_everywhere(op.kind.lower(), [(r, msg) for r, (_, msg) in problems], kind)
+    kinds = {kind for _, (kind, _) in problems}
+    listing = [(r, msg) for r, (_, msg) in problems]
+    if kinds <= {"TypeError", "ValueError"}:
+        raise failed_everywhere(op.kind.lower(), listing, TypeError if problems[0][1][0] == "TypeError"
+                                else ValueError) from own_failure
+    raise failed_everywhere(op.kind.lower(), listing, RuntimeError, "a failure on some of them") from own_failure
+
+
+def failed_doing(exc, doing):
+    return type(exc).__name__, f"{type(exc).__name__} while {doing}: {exc}"
 
 
 _hosts_spanned = weakref.WeakKeyDictionary()    # engine -> do its agents span several hosts?
@@ -292,36 +312,70 @@ def _spans_hosts(eng):
 
 def create(eng, op, win, problem, meta, zero_init):
     """problem: None or (error type name, message) found by this agent's checks.
-    Returns whether the agents span several hosts (then targets need progress pokes)."""
+    Returns whether the agents span several hosts (then targets need progress pokes).
+    Whatever can fail here without MPI failing runs before the agents agree (the
+    copy that fills the buffers: a failure is negotiated like bad input), or is
+    told to the others at the closing reduction: then every agent frees the new
+    window and raises (an agent that raised alone left the others in that call)."""
+    own = failure = None
+    if problem is None and not zero_init and win.nbytes:
+        try:
+            own = plain(win.tensor).to(win.stored)   # buffers start as copies of it (as in Bluefog)
+        except Exception as exc:        # (MemoryError)
+            failure, problem = exc, failed_doing(exc, "copying the tensor into the buffers")
     views = yield from exchange_headers(eng, op, (problem, meta), mpi_call=True)
-    _raise_problems(op, views)
+    _raise_problems(op, views, failure)
     if len({v[1] for v in views}) != 1:
         listing = ", ".join(f"rank {r}: {v[1][0]!r} {v[1][1]}{list(v[1][2])}" for r, v in enumerate(views))
         raise ValueError(f"win_create: agents passed different windows ({listing}); every agent must "
                          "create the window with the same name and a tensor of the same shape and dtype")
     yield from mpi_turn(eng, op)
+    locked = False
     with _phase(op.name, "ALLOCATE_OUTPUT"):
-        multi_host = _spans_hosts(eng)
-        mpi_win = MPI.Win.Allocate(win.layout.size, 1, comm=eng.comm)
-        win.attach(mpi_win)
-        mpi_win.Lock_all(MPI.MODE_NOCHECK)
-        win.versions[:] = 0
-        win.p[:] = 0.0      # the buffers' p, as in Bluefog (also without zero_init)
-        win.p[0] = 1.0
-        np.frombuffer(mpi_win.tomemory(), dtype=np.uint8)[:8] = 0     # the mutex word
-        _publish(win)
-        # Buffers start as copies of this agent's own tensor (as in Bluefog), or zeros.
-        own = None if zero_init or not win.nbytes else plain(win.tensor).to(win.stored)
-        for b in win.buffers:
-            if own is None:
-                b.zero_()
-            else:
-                b.copy_(own)
+        try:
+            with eng.blocking_call(op, f"MPI_Win_allocate of window {win.name!r}, a collective call that "
+                                                 "every agent makes"):
+                multi_host = _spans_hosts(eng)
+                mpi_win = MPI.Win.Allocate(win.layout.size, 1, comm=eng.comm)
+        except BaseException as exc:    # (MPI failed here: the others may wait in that call)
+            skipped_collective(eng, op, exc)
+            raise
+        try:
+            win.attach(mpi_win)
+            mpi_win.Lock_all(MPI.MODE_NOCHECK)
+            locked = True
+            win.versions[:] = 0
+            win.p[:] = 0.0      # the buffers' p, as in Bluefog (also without zero_init)
+            win.p[0] = 1.0
+            np.frombuffer(mpi_win.tomemory(), dtype=np.uint8)[:8] = 0     # the mutex word
+            _publish(win)
+            for b in win.buffers:
+                if own is None:
+                    b.zero_()
+                else:
+                    b.copy_(own)
+        except Exception as exc:
+            failure = exc
     with _phase(op.name, "COMMUNICATE"):
-        # nobody puts into a window before every agent has filled its buffers
-        req = eng.comm.Ibarrier()
+        # nobody puts into a window before every agent has filled its buffers; one
+        # that could not says so here. (Later collectives start after it: on a
+        # failure, more collective calls follow.)
+        failed = np.array([failure is not None], np.int32)
+        req = eng.comm.Iallreduce(MPI.IN_PLACE, failed, op=MPI.MAX)
+        yield Requests([req], "MPI_Iallreduce closing win_create")
+    if failed[0]:
+        with eng.blocking_call(op, f"the collective calls that free window {win.name!r}, which failed on "
+                                      "some agents"):
+            texts = eng.comm.allgather(None if failure is None else
+                                       failed_doing(failure, "filling the window's memory")[1])
+            win.detach()
+            if locked:
+                mpi_win.Unlock_all()
+            mpi_win.Free()
         eng.posted_collective(op)
-        yield Requests([req], "MPI_Ibarrier closing win_create")
+        raise failed_everywhere(op.kind.lower(), [(r, t) for r, t in enumerate(texts) if t is not None],
+                                RuntimeError, "a failure on some of them (the window was freed)") from failure
+    eng.posted_collective(op)
     return multi_host
 
 
@@ -344,7 +398,9 @@ def free(eng, op, wins, names, problem):
                 mpi_win = w.win
                 w.detach()
                 mpi_win.Unlock_all()
-                mpi_win.Free()      # collective; every agent has passed the negotiation
+                with eng.blocking_call(op, f"MPI_Win_free of window {w.name!r}, a collective call that every "
+                                          "agent makes"):
+                    mpi_win.Free()      # every agent has passed the negotiation
     eng.posted_collective(op)
     return True
 
@@ -367,26 +423,36 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
             p_self, keep = float(win.p[0]), []
             if win.nbytes and x.dtype != win.stored:
                 x = x.to(win.stored)        # a float16/bfloat16 window (STORED_AS)
-            scratch, scratch_w = None, None     # w * x, reused: each transfer completes before the next
-            for dst in targets:
-                w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
-                if win.nbytes:
-                    if w != 1.0 and w != scratch_w:
-                        scratch, scratch_w = _scaled_into(scratch, x, w), w
-                    src = (x if w == 1.0 else scratch).numpy()
-                    keep.append(src)        # alive until the flush below
-                    if accumulate:
-                        req = win.win.Raccumulate([src, win.mpi_type], dst, target=lay.buf(i), op=MPI.SUM)
-                    else:
-                        req = win.win.Rput([src, win.mpi_type], dst, target=lay.buf(i))
-                    yield from _wait_local(req, f"MPI_Rput to rank {dst}")
-                if with_p:
-                    pv = np.array([p_self * w])
-                    keep.append(pv)
-                    if accumulate:
-                        win.win.Accumulate([pv, MPI.DOUBLE], dst, target=lay.p(1 + i), op=MPI.SUM)
-                    else:
-                        win.win.Put([pv, MPI.DOUBLE], dst, target=lay.p(1 + i))
+            # every copy allocated before the first transfer: a failure after one would leave
+            # the data on some targets, their versions not bumped and the sender's weights
+            # not applied (push-sum mass created)
+            scaled_by = _scaled_copies(x, [dst_weights[d] for d in targets]) if win.nbytes else None
+            sent = []
+            try:
+                for dst in targets:
+                    w, lay, i = dst_weights[dst], win.layouts[dst], win.slot_at[dst]
+                    if win.nbytes:
+                        src = scaled_by(w).numpy()
+                        keep.append(src)        # alive until the flush below
+                        if accumulate:
+                            req = win.win.Raccumulate([src, win.mpi_type], dst, target=lay.buf(i), op=MPI.SUM)
+                        else:
+                            req = win.win.Rput([src, win.mpi_type], dst, target=lay.buf(i))
+                        sent.append(dst)
+                        yield from _wait_local(req, f"MPI_Rput to rank {dst}")
+                    if with_p:
+                        pv = np.array([p_self * w])
+                        keep.append(pv)
+                        if accumulate:
+                            win.win.Accumulate([pv, MPI.DOUBLE], dst, target=lay.p(1 + i), op=MPI.SUM)
+                        else:
+                            win.win.Put([pv, MPI.DOUBLE], dst, target=lay.p(1 + i))
+            except BaseException as exc:
+                if sent:
+                    exc.add_note(f"{op.kind.lower()} into window {win.name!r} had sent to ranks {sent} when it "
+                                 f"failed (their versions not bumped; self_weight not applied); "
+                                 f"ranks {targets[len(sent):]} got nothing")
+                raise
             if targets:
                 win.win.Flush_all()
                 for dst in targets:
@@ -402,12 +468,27 @@ def put(eng, op, win, user_tensor, x, dst_weights, self_weight, require_mutex, a
     return True
 
 
-def _scaled_into(out, x, w):
-    """w * x, written into out (a tensor like x, or None: allocated) where x is floating
-    point; an integer x gets a new rounded copy, as in scaled."""
+def _scaled_copies(x, weights):
+    """A function w -> w * x for the weights given, all memory allocated now: x itself
+    for 1.0; for a floating-point x one scratch tensor, rewritten when w changes (each
+    transfer completes before the next one reads it); an integer x a rounded copy
+    per distinct weight, as in scaled."""
+    others = {w for w in weights if w != 1.0}
+    if not others:
+        return lambda w: x
     if not (x.is_floating_point() or x.is_complex()):
-        return scaled(x, w)
-    return torch.mul(x, w, out=out if out is not None else torch.empty_like(x))
+        copies = {w: scaled(x, w) for w in others}
+        return lambda w: x if w == 1.0 else copies[w]
+    scratch, last = torch.empty_like(x), [None]
+
+    def by(w):
+        if w == 1.0:
+            return x
+        if w != last[0]:
+            torch.mul(x, w, out=scratch)
+            last[0] = w
+        return scratch
+    return by
 
 
 def scale_in_place(t, w):
@@ -463,18 +544,22 @@ def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, 
     try:
         with _phase(op.name, "WIN_SYNC_COMPUTE_AVERAGE"):
             used = [(win.in_index[r], w) for r, w in sorted(nbr_weights.items())]
-            # Reset the counters before reading: a put that lands meanwhile is counted
-            # again next time rather than lost.
-            _reset_versions(win, [i for i, _ in used])
-            win.win.Sync()
             x = win.tensor.detach()
             out = torch.empty_like(x) if clone else x
+            acc = x.to(win.stored) if win.stored != win.dtype else None    # (summed in float32, rounded once)
+            # Reset the counters before reading: a put that lands meanwhile is counted
+            # again next time rather than lost (and given back if the sum fails).
+            give_back = _reset_versions(win, [i for i, _ in used])
+            win.win.Sync()
             terms = [(win.buffers[i], w) for i, w in used]
-            if win.stored != win.dtype:     # summed in the buffers' float32, rounded once
-                acc = x.to(win.stored)
-                out.copy_(weighted_sum(acc, acc, self_weight, terms))
-            else:
-                weighted_sum(out, x, self_weight, terms)
+            try:
+                if acc is not None:
+                    out.copy_(weighted_sum(acc, acc, self_weight, terms))
+                else:
+                    weighted_sum(out, x, self_weight, terms)
+            except BaseException:
+                give_back()
+                raise
             if with_p:
                 new_p = self_weight * win.p[0] + sum(w * win.p[1 + i] for i, w in used)
                 if not clone:

@@ -197,8 +197,11 @@ def win_create(tensor, name, zero_init=False):
     win = meta = None
     if problem is None:
         on_device = _devices.on_device(tensor)
-        win = _win_tasks.Window(name, _devices.to_host(tensor, name) if on_device else tensor, st.topology,
-                                st.rank, st.size, device_tensor=tensor if on_device else None)
+        try:
+            win = _win_tasks.Window(name, _devices.to_host(tensor, name) if on_device else tensor, st.topology,
+                                    st.rank, st.size, device_tensor=tensor if on_device else None)
+        except Exception as exc:    # (the host copy of a GPU tensor: out of memory): told to every agent
+            problem = _win_tasks.failed_doing(exc, "taking a host copy of the tensor")
         meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
     h = eng.submit("win_create", "WIN_CREATE", lambda eng, op: _win_tasks.create(
         eng, op, win, problem, meta, bool(zero_init)))     # (checked: problem names a bad one)

@@ -47,6 +47,23 @@ def test_window_errors_are_raised_everywhere_without_hanging():
     run_agents(4, "win_errors.py", timeout=120)
 
 
+def test_window_calls_failing_on_one_agent_fail_everywhere_or_leave_nothing_behind():
+    """win_create failing on one agent before or after the allocation raises on every
+    agent and leaves no window; a win_accumulate that cannot allocate sends nothing; a
+    failed win_update gives the version counts back (tests/workers/win_failures.py)."""
+    run_agents(4, "win_failures.py", "steps", timeout=120, env={"BLUEFOG_OP_TIMEOUT_S": "20"})
+
+
+def test_an_agent_stuck_in_a_blocking_window_allocation_warns_and_times_out():
+    """MPI_Win_allocate failing on one agent: the others, blocked inside it, warn and raise
+    OpTimeout naming it (the stall inspector cannot run on their blocked thread)."""
+    _, out = run_agents(4, "win_failures.py", "blocked", timeout=90,
+                        env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "4"})
+    for r in (0, 2, 3):
+        assert (f"WARNING (rank {r}): WIN_CREATE 'win_create' has waited" in out
+                and "inside MPI_Win_allocate of window 'w'" in out), out
+
+
 def test_mutex_wait_warns_then_times_out():
     _, out = run_agents(2, "win_timeout.py", timeout=60,
                         env={"BLUEFOG_STALL_WARNING_S": "1", "BLUEFOG_OP_TIMEOUT_S": "3"})
