@@ -61,8 +61,10 @@ def _negotiation(key, entry):
 def _skip_word(key):
     """True for the key ("S", seq) of another agent's word that its collective seq failed
     before its MPI call (_tasks.skipped_collective): left unread where that call was
-    made, which the stall warning or timeout of that call already shows."""
-    return key.__class__ is tuple and key[0] == "S" and key[1].__class__ is int
+    made, which the stall warning or timeout of that call already shows; and for
+    ("W", seq), its word that it timed out in collective seq (StallInspector.withdraw),
+    unread where this agent never reached it (the timeout showed it there)."""
+    return key.__class__ is tuple and key[0] in ("S", "W") and key[1].__class__ is int
 
 
 def _name_of(key, entry):
@@ -277,6 +279,8 @@ class StallInspector:
                     f"{op.kind} {op.name!r}{_fused_with(op)} timed out after {waited:.1f} s "
                     f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}) on rank {self.rank}, "
                     f"waiting {self._waiting_for(op)}{'' if op.finished_task else self._stray_hint(op)}")
+                if self._negotiating(op):
+                    self.withdraw(op)
                 if op.collective:
                     # The late agents may still make this collective's MPI call, which
                     # would pair with this agent's next one and mix their data
@@ -305,6 +309,26 @@ class StallInspector:
                 if isinstance(op.wait, Recv) and not op.finished_task:    # (a finished op's wait is stale)
                     self.forget_inputs(op.wait.keys)
                 self._finish(op)
+
+    @staticmethod
+    def _negotiating(op):
+        """op waits for the other agents' headers of its collective (exchange_headers)."""
+        w = op.wait
+        return (w.__class__ is Recv and not op.finished_task and bool(w.keys)
+                and all(k[1].__class__ is tuple and k[1][0] == "C" for k in w.keys))
+
+    def withdraw(self, op):
+        """op timed out in its collective's negotiation: some agent has not called it
+        (or is late). Every other agent is told (a word ("W", seq)): one that reaches
+        its collective #seq later has it refused (_tasks._refuse_withdrawn) instead
+        of pairing with this agent's header of the call it gave up. So every agent
+        uses up #seq and their later collectives stay in step (else one that never
+        calls this one would pair each of its collectives with this agent's previous
+        one: silently where kind and name match, a barrier, set_topology)."""
+        seq = op.wait.keys[0][1][1]
+        for r in range(self.size):
+            if r != self.rank:
+                self.send_object(r, ("W", seq), (op.kind, op.name))
 
     def forget_inputs(self, keys):
         """A timed-out (or failed) op's inputs must not feed the next op of the same

@@ -11,6 +11,7 @@ was refused.
 """
 import torch
 
+from ._stalls import OpTimeout
 from ._stream import MARKED_KINDS, dtype_name
 from ._waits import Recv, Turn, Until
 from .timeline import _recorder as tl
@@ -157,6 +158,7 @@ def exchange_headers(eng, op, payload, mpi_call=False):
     views[eng.rank] = me
     for e in entries:
         views[e.src] = e.value
+    _refuse_withdrawn(eng, op, seq, others)
     calls = [(kind, name) for kind, name, _ in views]
     if len(set(calls)) != 1:
         listing = ", ".join(f"rank {r}: {k} {n!r}" for r, (k, n) in enumerate(calls))
@@ -169,6 +171,34 @@ def exchange_headers(eng, op, payload, mpi_call=False):
     if bad:
         raise failed_everywhere(f"{op.kind} {op.name!r}", bad)
     return [v[2] for v in views]
+
+
+def _refuse_withdrawn(eng, op, seq, others):
+    """Raise OpTimeout if some agent timed out in its collective #seq (its word
+    ("W", seq): see StallInspector.withdraw): the header this agent got from it is
+    of that call, which it gave up (the same one, if this agent is late; if this
+    agent never called it, this is its next collective, which must not pair with
+    it). Refusing uses up #seq here too: the agents' later collectives stay in
+    step. As after a timeout, an MPI collective refused so ends those on this agent
+    (another agent may have agreed on it before the word came and made its call)."""
+    withdrawn = [r for r in others if eng.stream.has(r, ("W", seq))]
+    if not withdrawn:
+        return
+    calls = {}
+    for r in withdrawn:
+        entry = eng.stream.take(r, ("W", seq))
+        calls[r] = entry.value
+        entry.release()
+    listing = ", ".join(f"rank {r}: {kind} {name!r}" for r, (kind, name) in calls.items())
+    why = (f"ranks {withdrawn} timed out in their collective #{seq} ({listing}) and gave it up before this "
+           f"agent (rank {eng.rank}) reached its own #{seq}, {op.kind} {op.name!r}")
+    if op.collective:
+        eng.collectives_broken = (
+            f"{why}; allreduce, broadcast, allgather, win_create and win_free cannot run on this agent any more "
+            "in this run (an agent that agreed on it before their word came may have made its MPI call, which "
+            "would pair with this agent's next one)")
+    raise OpTimeout(f"{op.kind} {op.name!r} was refused: {why} (this call would have paired with theirs; "
+                    "refused, it keeps the agents' collectives in step)")
 
 
 def mpi_turn(eng, op):

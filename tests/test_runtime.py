@@ -114,6 +114,14 @@ def test_after_a_collective_times_out_later_collectives_refuse_instead_of_mixing
     assert out.count("shutdown could not free the windows ['kept']: WIN_FREE 'win_free' cannot run") == 4, out
 
 
+def test_a_collective_given_up_by_some_agents_is_refused_by_the_others_and_sequences_stay_in_step():
+    """barrier and set_topology called by 2 of 4 agents time out there; the other two's
+    next collective is refused naming them (before, it paired with the given-up call:
+    barriers stopped waiting, set_topology left two topologies), and then barriers wait
+    and set_topology agrees again (tests/workers/runtime_timeout_negotiation.py)."""
+    run_agents(4, "runtime_timeout_negotiation.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+
+
 def test_a_fused_group_that_times_out_fails_every_member_and_leaves_no_stale_data():
     run_agents(4, "runtime_timeout_fused.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
