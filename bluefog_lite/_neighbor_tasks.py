@@ -390,6 +390,7 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     for dst, _ in send_plan:
         eng.send_object(dst, dtype_key, dtype_name(x.dtype))
     tried = []
+    machine_stage = False
     try:
         machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
         with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
@@ -406,7 +407,15 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
                 machine_sum = machine_sum.to(acc.dtype)
         with _phase(op.name, "COMMUNICATE"):
             _send_all(eng, op, key, machine_sum, send_plan, tried)
+            machine_stage = True
             entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
+    except GeneratorExit:
+        # Timed out (closed by the stall inspector, which forgets the inputs it waited
+        # for): in the machine stage those were the machine keys; before it, they are
+        # forgotten here (the other machines' sums and dtypes would feed the next call)
+        if not machine_stage:
+            eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
+        raise
     except Exception as err:
         # No sum for this machine (or not sent): the agents waiting for it fail too (instead
         # of waiting forever), and what they send this agent must not feed a later call.

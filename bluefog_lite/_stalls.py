@@ -67,6 +67,30 @@ def _skip_word(key):
     return key.__class__ is tuple and key[0] in ("S", "W") and key[1].__class__ is int
 
 
+def _data_name(key):
+    """The operation name of a data key: the name itself, or a (name, part) pair's
+    (the hierarchical and machine-local operations' keys); None for the collectives'
+    and other words, (kind letter, int) pairs."""
+    if key.__class__ is str:
+        return key
+    if key.__class__ is tuple and len(key) == 2 and key[0].__class__ is str and key[1].__class__ is str:
+        return key[0]
+    return None
+
+
+def _other_kinds(inbox, keys):
+    """[(src, key)] of the inbox's data under the names of keys (data keys a wait
+    takes) in the other form: a (name, part) pair where keys are plain names, or
+    the reverse (a neighbor operation against a hierarchical or machine-local one)."""
+    names = {}
+    for key in keys:
+        name = _data_name(key)
+        if name is not None:
+            names.setdefault(name, set()).add(key.__class__)
+    return [(src, key) for (src, key), q in list(inbox.items())
+            if q and key not in keys and key.__class__ not in names.get(_data_name(key), (key.__class__,))]
+
+
 def _name_of(key, entry):
     """The operation name of an inbox key: the name, a (name, part) pair's name, or
     the name a collective's negotiation carries."""
@@ -211,10 +235,26 @@ class StallInspector:
     def _strays(self, wait):
         """The ranks that sent this agent entries under the keys a Recv wait takes,
         but not the ones it takes from them: unclaimed, they hint at senders and
-        receivers that disagree (or at a sender already on its next call)."""
+        receivers that disagree (or at a sender already on its next call); and
+        those that sent data of the same operation name under other keys (another
+        kind of operation: the hierarchical one and the machine-local allreduce
+        send under (name, part) keys, the other neighbor operations under the name)."""
         keys, expected = {key for _, key in wait.keys}, set(wait.keys)
-        return sorted({src for (src, key), q in self.stream.inbox.items()
-                       if q and key in keys and (src, key) not in expected})
+        same = set()
+        for (src, key), q in self.stream.inbox.items():
+            if q and key in keys and (src, key) not in expected:
+                same.add(src)
+        other = {src for src, key in _other_kinds(self.stream.inbox, keys)}
+        return sorted(same), sorted(other)
+
+    def _forget_other_kinds(self, wait):
+        """At a timeout: data of the same name that came under keys of the other form
+        (another kind of operation, see _strays) is dropped: it belongs to a call
+        that did not pair with this one, and would feed this agent's next call of
+        that kind."""
+        for src, key in _other_kinds(self.stream.inbox, {key for _, key in wait.keys}):
+            while self.stream.has(src, key):
+                self.stream.take(src, key).release()
 
     def _unjoined_collectives(self):
         """{(kind, name): ranks} of the collectives that other agents have started
@@ -231,12 +271,17 @@ class StallInspector:
         take, and which collectives others wait in that this agent has not started
         (for its warning or timeout), or ''."""
         hint = ""
-        strays = self._strays(op.wait) if isinstance(op.wait, Recv) else []
+        strays, other = self._strays(op.wait) if isinstance(op.wait, Recv) else ([], [])
         if strays:
             hint = (f"; ranks {strays} sent this agent data of that name which it does not take (their "
                     "next call's, or sends that do not match this call's sources: check that the senders' "
                     "dst_weights or pair_gossip target_rank agree with this agent's src_weights or "
                     "target_rank)")
+        if other:
+            hint += (f"; ranks {other} sent this agent data of that name for another kind of operation "
+                     "(hierarchical_neighbor_allreduce, or allreduce(is_hierarchical_local=True), against a "
+                     "neighbor operation, or the reverse): every agent must call the same operation under one "
+                     "name (a timeout drops that data)")
         for (kind, name), ranks in sorted(self._unjoined_collectives().items()):
             check = (" (a topology check: enable_topo_check=True with dst_weights; every agent must call "
                      "the operation in the same mode)" if kind.startswith("NEIGHBOR") else "")
@@ -308,6 +353,7 @@ class StallInspector:
                     op.task.close()
                 if isinstance(op.wait, Recv) and not op.finished_task:    # (a finished op's wait is stale)
                     self.forget_inputs(op.wait.keys)
+                    self._forget_other_kinds(op.wait)
                 self._finish(op)
 
     @staticmethod

@@ -122,6 +122,14 @@ def test_a_collective_given_up_by_some_agents_is_refused_by_the_others_and_seque
     run_agents(4, "runtime_timeout_negotiation.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
 
 
+def test_a_neighbor_and_a_hierarchical_call_under_one_name_are_named_and_leave_no_stale_data():
+    """Rank 2's neighbor_allreduce against the others' hierarchical_neighbor_allreduce of one
+    name: its timeout says ranks sent data of that name for another kind of operation, and
+    no agent keeps data of those calls (tests/workers/runtime_timeout_kinds.py)."""
+    run_agents(4, "runtime_timeout_kinds.py", timeout=90,
+               env={"BLUEFOG_OP_TIMEOUT_S": "3", "BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
 def test_a_fused_group_that_times_out_fails_every_member_and_leaves_no_stale_data():
     run_agents(4, "runtime_timeout_fused.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "1.5"})
 
