@@ -298,6 +298,7 @@ def failed_doing(exc, doing):
     return type(exc).__name__, f"{type(exc).__name__} while {doing}: {exc}"
 
 
+_dropped = []      # MPI windows of a win_create that failed after the allocation (see create)
 _hosts_spanned = weakref.WeakKeyDictionary()    # engine -> do its agents span several hosts?
 
 
@@ -315,7 +316,7 @@ def create(eng, op, win, problem, meta, zero_init):
     Returns whether the agents span several hosts (then targets need progress pokes).
     Whatever can fail here without MPI failing runs before the agents agree (the
     copy that fills the buffers: a failure is negotiated like bad input), or is
-    told to the others at the closing reduction: then every agent frees the new
+    told to the others at the closing reduction: then every agent drops the new
     window and raises (an agent that raised alone left the others in that call)."""
     own = failure = None
     if problem is None and not zero_init and win.nbytes:
@@ -358,24 +359,25 @@ def create(eng, op, win, problem, meta, zero_init):
             failure = exc
     with _phase(op.name, "COMMUNICATE"):
         # nobody puts into a window before every agent has filled its buffers; one
-        # that could not says so here. (Later collectives start after it: on a
-        # failure, more collective calls follow.)
-        failed = np.array([failure is not None], np.int32)
+        # that could not says so here (one flag per agent)
+        failed = np.zeros(eng.size, np.int32)
+        failed[eng.rank] = failure is not None
         req = eng.comm.Iallreduce(MPI.IN_PLACE, failed, op=MPI.MAX)
-        yield Requests([req], "MPI_Iallreduce closing win_create")
-    if failed[0]:
-        with eng.blocking_call(op, f"the collective calls that free window {win.name!r}, which failed on "
-                                      "some agents"):
-            texts = eng.comm.allgather(None if failure is None else
-                                       failed_doing(failure, "filling the window's memory")[1])
-            win.detach()
-            if locked:
-                mpi_win.Unlock_all()
-            mpi_win.Free()
         eng.posted_collective(op)
-        raise failed_everywhere(op.kind.lower(), [(r, t) for r, t in enumerate(texts) if t is not None],
-                                RuntimeError, "a failure on some of them (the window was freed)") from failure
-    eng.posted_collective(op)
+        yield Requests([req], "MPI_Iallreduce closing win_create")
+    if failed.any():
+        # Every agent drops the window. Its MPI memory is not freed: MPI_Win_free is a
+        # blocking collective, which an agent that timed out in the reduction above
+        # would never join. (Rare: what is left to fail here after the allocation is
+        # MPI itself; the copy that could run out of memory comes before the agreement.)
+        win.detach()
+        if locked:
+            mpi_win.Unlock_all()
+        _dropped.append(mpi_win)
+        bad = [(r, failed_doing(failure, "filling the window's memory")[1] if r == eng.rank else
+                "it failed filling the window's memory") for r in np.flatnonzero(failed).tolist()]
+        raise failed_everywhere(op.kind.lower(), bad, RuntimeError, "a failure on some of them (the window was "
+                                "dropped; its MPI memory stays allocated until the job ends)") from failure
     return multi_host
 
 

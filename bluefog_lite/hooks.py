@@ -169,7 +169,7 @@ def keep_out_of_compiled_graphs():
     while todo:
         cls = todo.pop()
         todo += cls.__subclasses__()
-        if "__call__" in vars(cls):
+        if "__call__" in vars(cls) and not getattr(cls, "traceable", False):
             cls.__call__ = torch.compiler.disable(cls.__call__)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from . import ops, windows
+from ._mpi import MPI
 from ._local_steps import NoStepRule, check_step_function, step_function_for
 from ._runtime import state
 from .hooks import CopiedInert, install_unless_present, keep_out_of_compiled_graphs, launched
@@ -149,6 +150,7 @@ class _CountForward(CopiedInert):
     A pass while all of the model's wrapped parameters are frozen (a GAN generator's
     pass through the frozen discriminator) does not count, as in Bluefog."""
     __slots__ = ("wrapper", "counts", "index", "params")
+    traceable = True    # (see hooks.keep_out_of_compiled_graphs)
 
     def __init__(self, wrapper, counts, index, params):
         self.wrapper, self.counts, self.index, self.params = wrapper, counts, index, params
@@ -167,6 +169,7 @@ class _CountForward(CopiedInert):
 class _BeginRound(CopiedInert):
     """A model's forward pre-hook (ATC's): a training pass begins (see _pass_begins)."""
     __slots__ = ("wrapper",)
+    traceable = True    # (see hooks.keep_out_of_compiled_graphs)
 
     def __init__(self, wrapper):
         self.wrapper = wrapper
@@ -1255,8 +1258,10 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         for name, p in self._named:
             try:
                 windows.win_create(p.detach(), self._prefix + name)
-            except ValueError as exc:     # (raised on every agent: win_create is collective)
-                for made in created:      # (not left behind for the wrapper made instead)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                if isinstance(exc, MPI.Exception):
+                    raise       # (one agent's: the others may wait in win_create, which win_free would join)
+                for made in created:      # raised on every agent: not left behind for the wrapper made instead
                     windows.win_free(made)
                 if "already exists" not in str(exc):
                     raise

@@ -4,7 +4,9 @@ the same loop on the uncompiled model, and nothing warns. Before, Dynamo traced 
 wrappers' forward hooks into the compiled model and printed a UserWarning on every
 agent (they reach a C function it cannot trace); now they run as plain Python
 (hooks.keep_out_of_compiled_graphs). Run with BLUEFOG_TIMELINE set: the timeline's
-FORWARD/BACKWARD hooks are installed too."""
+FORWARD/BACKWARD hooks are installed too. ATC and gradient allreduce, which start no
+communication in the forward pass, also compile with fullgraph=True (the timeline's
+hooks turned off): ATC's pass-counting hook is left to Dynamo to trace."""
 import warnings
 
 import torch
@@ -25,6 +27,10 @@ def run(make_opt, compiled, steps=3):
     opt = make_opt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), model)
     if compiled == "after":
         model = torch.compile(model, backend="eager")
+    if compiled == "fullgraph":     # (no communication in forward: ATC's and gradient allreduce's)
+        opt.turn_off_timeline()     # (the timeline's hooks read the clock: not in a graph)
+        torch._dynamo.reset()       # (else the earlier runs' compiled code is reused, not fullgraph)
+        model = torch.compile(model, backend="eager", fullgraph=True)
     for _ in range(steps):
         opt.zero_grad()
         model(X).square().mean().backward()
@@ -42,7 +48,7 @@ with warnings.catch_warnings(record=True) as caught:
             ("ATC", lambda o, m: ATC(o, m)),
             ("gradient allreduce", lambda o, m: bf.DistributedGradientAllreduceOptimizer(o, m))]:
         want = run(make_opt, None)
-        for when in ("before", "after"):
+        for when in ("before", "after") + (("fullgraph",) if name in ("ATC", "gradient allreduce") else ()):
             got = run(make_opt, when)
             assert got.keys() == want.keys(), (name, when, got.keys())
             for k in want:

@@ -5,6 +5,7 @@
   fills its buffers) or after the window was allocated (filling its memory): every
   agent raises naming rank 1's error, no window is left, later collectives and a
   new window compute what numpy does (before, the others waited in MPI for good);
+  a DistributedWinPutOptimizer whose third window fails so frees its first two;
   an integer win_accumulate failing at its second target's scaled copy sends
   nothing (before, the first target had it: versions not bumped, push-sum mass
   created); a win_update whose sum fails gives the version counts back.
@@ -97,10 +98,12 @@ with patched("plain", no_memory):
 assert bf.get_current_created_window_names() == []
 allreduce_is_right("after.before")
 
-# -- win_create failing after the allocation: every agent frees the window and raises -----------
+# -- win_create failing after the allocation: every agent drops the window and raises -----------
+# (the failing agent names its exception; the others know that it failed)
+FILLING = "rank 1: MemoryError while filling the window's memory" if rank == 1 else "rank 1: it failed filling"
 with patched("_publish", no_memory):
-    e = raises(RuntimeError, ["because of a failure on some of them (the window was freed)",
-                              "rank 1: MemoryError while filling the window's memory"], bf.win_create, x, "w")
+    e = raises(RuntimeError, ["because of a failure on some of them (the window was dropped",
+                              FILLING], bf.win_create, x, "w")
     assert (rank == 1) == isinstance(e.__cause__, MemoryError), repr(e.__cause__)
 assert bf.get_current_created_window_names() == []
 allreduce_is_right("after.filling")
@@ -115,6 +118,27 @@ ins = bf.in_neighbor_ranks()      # the default weights: uniform over self and i
 want = (values[rank] + sum(values[r] for r in ins)) / (len(ins) + 1)
 assert np.allclose(x.numpy(), want), (x, want)
 bf.win_free("w")
+
+# -- DistributedWinPutOptimizer whose third window fails: the first two are freed everywhere ------
+made = [0]
+
+
+def third_fails(orig):
+    def publish(win):
+        made[0] += 1
+        if made[0] == 3:
+            raise MemoryError("injected")
+        return orig(win)
+    return publish
+
+
+model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+with patched("_publish", third_fails):
+    raises(RuntimeError, [FILLING], bf.DistributedWinPutOptimizer, torch.optim.SGD(model.parameters(), lr=0.1), model)
+assert bf.get_current_created_window_names() == [], bf.get_current_created_window_names()
+opt = bf.DistributedWinPutOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)   # made again
+assert len(bf.get_current_created_window_names()) == 4
+opt.free_windows()
 
 # -- an integer win_accumulate failing at its second target's scaled copy sends nothing -----------
 out = bf.out_neighbor_ranks()
