@@ -412,8 +412,13 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
     except GeneratorExit:
         # Timed out (closed by the stall inspector, which forgets the inputs it waited
         # for): in the machine stage those were the machine keys; before it, they are
-        # forgotten here (the other machines' sums and dtypes would feed the next call)
+        # forgotten here (the other machines' sums and dtypes would feed the next call),
+        # and the agents waiting for this machine sum get a note instead (else one that
+        # timed out waiting would drop this agent's next sum in its place)
         if not machine_stage:
+            note = BadInput(f"has no machine sum to send: its call timed out on its machine (rank {eng.rank})")
+            for dst, _ in send_plan:
+                eng.send_object(dst, key, note)
             eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
         raise
     except Exception as err:

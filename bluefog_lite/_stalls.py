@@ -244,15 +244,28 @@ class StallInspector:
         for (src, key), q in self.stream.inbox.items():
             if q and key in keys and (src, key) not in expected:
                 same.add(src)
-        other = {src for src, key in _other_kinds(self.stream.inbox, keys)}
+        delivered = self._delivered(wait)
+        other = {src for src, key in _other_kinds(self.stream.inbox, keys) if src not in delivered}
         return sorted(same), sorted(other)
+
+    def _delivered(self, wait):
+        """The ranks whose entries a Recv wait takes have all arrived: their data of
+        the name under the other key form (see _other_kinds) is their next call's (a
+        name used by one kind after another), not a mismatch."""
+        lacking = self._lacking(wait)
+        return {src for src, _ in wait.keys} - set(lacking)
 
     def _forget_other_kinds(self, wait):
         """At a timeout: data of the same name that came under keys of the other form
-        (another kind of operation, see _strays) is dropped: it belongs to a call
-        that did not pair with this one, and would feed this agent's next call of
-        that kind."""
+        (another kind of operation, see _strays) is dropped, but from the ranks that
+        sent this call's data (_delivered): it belongs to a call that did not pair
+        with this one, and would feed this agent's next call of that kind (a wrong
+        result without an error; dropped, data of a correct program's next call of
+        another kind makes that call stall instead)."""
+        delivered = self._delivered(wait)
         for src, key in _other_kinds(self.stream.inbox, {key for _, key in wait.keys}):
+            if src in delivered:
+                continue
             while self.stream.has(src, key):
                 self.stream.take(src, key).release()
 
@@ -352,8 +365,8 @@ class StallInspector:
                 else:
                     op.task.close()
                 if isinstance(op.wait, Recv) and not op.finished_task:    # (a finished op's wait is stale)
+                    self._forget_other_kinds(op.wait)     # (first: it reads which inputs are in)
                     self.forget_inputs(op.wait.keys)
-                    self._forget_other_kinds(op.wait)
                 self._finish(op)
 
     @staticmethod

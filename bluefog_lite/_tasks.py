@@ -158,8 +158,9 @@ def exchange_headers(eng, op, payload, mpi_call=False):
     views[eng.rank] = me
     for e in entries:
         views[e.src] = e.value
-    _refuse_withdrawn(eng, op, seq, others)
     calls = [(kind, name) for kind, name, _ in views]
+    agreed = len(set(calls)) == 1 and not any(isinstance(v[2], BadInput) for v in views)
+    _refuse_withdrawn(eng, op, seq, others, agreed)
     if len(set(calls)) != 1:
         listing = ", ".join(f"rank {r}: {k} {n!r}" for r, (k, n) in enumerate(calls))
         raise RuntimeError(f"collective operations were called in a different order on different "
@@ -173,14 +174,15 @@ def exchange_headers(eng, op, payload, mpi_call=False):
     return [v[2] for v in views]
 
 
-def _refuse_withdrawn(eng, op, seq, others):
+def _refuse_withdrawn(eng, op, seq, others, agreed):
     """Raise OpTimeout if some agent timed out in its collective #seq (its word
     ("W", seq): see StallInspector.withdraw): the header this agent got from it is
     of that call, which it gave up (the same one, if this agent is late; if this
     agent never called it, this is its next collective, which must not pair with
     it). Refusing uses up #seq here too: the agents' later collectives stay in
     step. As after a timeout, an MPI collective refused so ends those on this agent
-    (another agent may have agreed on it before the word came and made its call)."""
+    where the headers agreed (another agent may have agreed on it before the word
+    came and made its call; headers that do not agree fail on every agent)."""
     withdrawn = [r for r in others if eng.stream.has(r, ("W", seq))]
     if not withdrawn:
         return
@@ -192,7 +194,7 @@ def _refuse_withdrawn(eng, op, seq, others):
     listing = ", ".join(f"rank {r}: {kind} {name!r}" for r, (kind, name) in calls.items())
     why = (f"ranks {withdrawn} timed out in their collective #{seq} ({listing}) and gave it up before this "
            f"agent (rank {eng.rank}) reached its own #{seq}, {op.kind} {op.name!r}")
-    if op.collective:
+    if op.collective and agreed:
         eng.collectives_broken = (
             f"{why}; allreduce, broadcast, allgather, win_create and win_free cannot run on this agent any more "
             "in this run (an agent that agreed on it before their word came may have made its MPI call, which "
@@ -263,6 +265,8 @@ def bad_input(eng, op, exc):
         yield from exchange_headers(eng, op, BadInput(f"{type(exc).__name__}: {exc}"))
     except ValueError:      # the failure of every agent, this one's included
         pass
+    except OpTimeout as refusal:    # (others gave this collective up: _refuse_withdrawn)
+        raise exc from refusal
     raise exc
 
 

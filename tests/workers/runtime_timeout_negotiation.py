@@ -5,7 +5,9 @@ previous one and returned without waiting, set_topology returned True on two age
 and left the topology unchanged on the other two. Now the agents that time out tell
 the others, whose next collective is refused with an OpTimeout naming them (it
 would pair with the call they gave up); the sequence is used up everywhere, so the
-same calls made again pair up, and barriers wait again."""
+same calls made again pair up, and barriers wait again. A refused allreduce whose
+headers did not match (it met a given-up barrier) leaves MPI collectives running: no
+agent could have made its MPI call."""
 import sys
 import time
 
@@ -66,6 +68,15 @@ assert bf.set_topology(topology.RingGraph(n))       # every agent, made again: i
 assert sorted(bf.in_neighbor_ranks()) == sorted({(r - 1) % n, (r + 1) % n}), bf.in_neighbor_ranks()
 got = bf.neighbor_allreduce(torch.full((3,), float(r)), name="ring")
 assert torch.allclose(got, torch.full((3,), (r + (r - 1) % n + (r + 1) % n) / 3.0)), got
+
+# -- an MPI collective refused where the headers disagree (ranks 2 and 3's allreduce met the
+# barrier ranks 0 and 1 gave up): nobody could have made its MPI call, so MPI collectives go on
+if r in EARLY:
+    timed_out(bf.barrier)
+    time.sleep(2)
+else:
+    time.sleep(3)
+    refused(lambda: bf.allreduce(torch.ones(2), name="refused.sum"))
 
 # -- MPI collectives still run (no MPI collective timed out)
 assert torch.equal(bf.allreduce(torch.full((2,), float(r)), average=False, name="sum"),
