@@ -282,7 +282,12 @@ class Engine(CallerDrive, StallInspector):
         return op
 
     def poll(self, handle):
-        return self._lookup(handle).is_done()
+        op = self._lookup(handle)
+        if op.is_done():
+            return True
+        if self._blocked is not None:       # (a loop of polls sees the warning synchronize would)
+            self.blocked_check(op, timeout=False)
+        return False
 
     def synchronize_owned(self, handle):
         """synchronize for a blocking call, the only holder of handle: if it is

@@ -119,9 +119,9 @@ class StallInspector:
         finally:
             self._blocked = None
 
-    def blocked_check(self, waiting):
+    def blocked_check(self, waiting, timeout=True):
         """Called by a caller that waits for op waiting, now and then: the warning
-        and the timeout of the loop's blocking call, if it is in one too long."""
+        and (timeout) the timeout of the loop's blocking call, if it is in one too long."""
         blocked = self._blocked
         if blocked is None:
             return
@@ -134,7 +134,7 @@ class StallInspector:
                              "before it, or has not called it, leaves this agent there; nothing else of this "
                              "agent's communication runs meanwhile)\n")
             sys.stderr.flush()
-        if self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.at_shutdown:
+        if timeout and self.op_timeout_s > 0 and waited > self.op_timeout_s and not op.at_shutdown:
             whose = "" if op is waiting else f", for {op.kind} {op.name!r}"
             raise OpTimeout(f"{waiting.kind} {waiting.name!r} timed out on rank {self.rank} "
                             f"(BLUEFOG_OP_TIMEOUT_S={self.op_timeout_s:g}): the communication thread has waited "
