@@ -121,6 +121,17 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_count_regis
 torch.nn.modules.module.register_module_module_registration_hook(_count_registration)   # (a layer built earlier)
 
 
+def _rewrites_weight(module):
+    """module changes its own weight in its forward (nn.Embedding and EmbeddingBag with
+    max_norm renormalize the rows they look up, in place): a second call while the
+    weight's communication is in flight would change what is being sent, so step()
+    starts it (the weight as the pass left it, as in Bluefog)."""
+    return module.__class__ in _RENORMALIZING and module.max_norm is not None
+
+
+_RENORMALIZING = {torch.nn.Embedding, torch.nn.EmbeddingBag}
+
+
 class _AfterForward(CopiedInert):
     """A module's forward hook: start the communication of its own parameters, once
     per communicating step. A copy of the module (copy.deepcopy of the model: a
@@ -134,7 +145,7 @@ class _AfterForward(CopiedInert):
 
     def __call__(self, module, inputs, output):
         wrapper = self.wrapper
-        if not _training_pass(module) or not wrapper._communicating():
+        if not _training_pass(module) or not wrapper._communicating() or _rewrites_weight(module):
             return
         frozen = wrapper._round_frozen()
         for name, p in self.own:
@@ -341,6 +352,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._name_of = {id(p): n for n, p in self._named}
         self._param_of = dict(self._named)
         self._handles = {}          # param name -> (param, handle)
+        self._sent_versions = {}    # id(param) -> its version when its communication started (_apply)
         self._steps = 0
         self._skip_sync = False
         self._rest_started = False  # _launch_rest has run in this step
@@ -575,6 +587,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         except Exception:
             self._round_over()
             raise
+        finally:
+            self._sent_versions.clear()
 
     def _step_synchronize(self):
         """step()'s synchronize; inside skip_synchronize() the caller has synchronized
@@ -594,6 +608,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_sync = False
 
     def _apply(self, p, result):
+        sent = self._sent_versions.pop(id(p), None)
+        if sent is not None and p._version != sent:
+            raise RuntimeError(
+                f"parameter {self._name_of.get(id(p), '?')!r} was changed in place while its communication was in "
+                "flight (started after its module's forward): what was sent mixes its values before and after "
+                "the change, so it was not applied. Change parameters only outside the forward and backward "
+                "passes (a module that rewrites its weight in its forward, other than nn.Embedding(max_norm=...), "
+                "which the wrappers know, cannot have its communication started there)")
         with torch.no_grad():
             p.copy_(result)
 
@@ -664,11 +686,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch_after_forward(self, model, launch):
         """launch(name, p) for each module's own parameters right after its forward,
-        once per communicating step (even when forward runs several times)."""
+        once per communicating step (even when forward runs several times); after the
+        forward of each model (self._models), for those whose module's forward did not
+        run (nn.MultiheadAttention reads its out_proj's weight without calling it; a
+        module unused in this pass), so that they go before backward rather than in
+        step() (where WinPut combined them before the neighbors' puts could come)."""
+        rest = {}
         for module, params in _forward_owners(model):
             own = [(self._name_of[id(p)], p) for p in params if id(p) in self._name_of]
             if own:
                 self._hooks.append(module.register_forward_hook(_AfterForward(self, own, launch)))
+                if not _rewrites_weight(module):
+                    rest.update((id(p), (n, p)) for n, p in own)
+        for m in self._models:
+            after = [rest[id(p)] for p in m.parameters() if id(p) in rest]
+            if after:
+                self._hooks.append(m.register_forward_hook(_AfterForward(self, after, launch)))
 
     def timeline_changed(self):
         """Called when a timeline file opens or closes on this agent (and at creation):
@@ -812,6 +845,7 @@ class _ParameterCommunicator(_DistributedOptimizer):
                     name=name)
             else:
                 h = ops.allreduce_nonblocking(x, average=True, name=name)
+        self._sent_versions[id(p)] = p._version
         self._started(name, p, h)
 
     def _launch_rest(self):

@@ -64,6 +64,15 @@ def test_compiled_models_train_as_uncompiled_ones_without_warnings(tmp_path):
     run_agents(2, "opt_compiled.py", timeout=150, env={"BLUEFOG_TIMELINE": str(tmp_path / "t")})
 
 
+def test_parameters_the_forward_pass_changes_or_skips_are_communicated_whole():
+    """lr 0 against the mixing matrix: an nn.Embedding(max_norm) called twice per pass is
+    averaged as the pass left it (its communication was changed in flight); a weight a
+    custom forward changes in place while in flight makes AWC's step() raise; WinPut puts
+    MultiheadAttention's out_proj (never called as a module) in the forward pass, so
+    its neighbors' values of the step are combined (tests/workers/opt_forward_changes.py)."""
+    run_agents(4, "opt_forward_changes.py", timeout=120)
+
+
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes
