@@ -126,10 +126,7 @@ def _rewrites_weight(module):
     max_norm renormalize the rows they look up, in place): a second call while the
     weight's communication is in flight would change what is being sent, so step()
     starts it (the weight as the pass left it, as in Bluefog)."""
-    return module.__class__ in _RENORMALIZING and module.max_norm is not None
-
-
-_RENORMALIZING = {torch.nn.Embedding, torch.nn.EmbeddingBag}
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
 
 
 class _AfterForward(CopiedInert):
@@ -352,7 +349,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._name_of = {id(p): n for n, p in self._named}
         self._param_of = dict(self._named)
         self._handles = {}          # param name -> (param, handle)
-        self._sent_versions = {}    # id(param) -> its version when its communication started (_apply)
         self._steps = 0
         self._skip_sync = False
         self._rest_started = False  # _launch_rest has run in this step
@@ -587,8 +583,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         except Exception:
             self._round_over()
             raise
-        finally:
-            self._sent_versions.clear()
 
     def _step_synchronize(self):
         """step()'s synchronize; inside skip_synchronize() the caller has synchronized
@@ -608,14 +602,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_sync = False
 
     def _apply(self, p, result):
-        sent = self._sent_versions.pop(id(p), None)
-        if sent is not None and p._version != sent:
-            raise RuntimeError(
-                f"parameter {self._name_of.get(id(p), '?')!r} was changed in place while its communication was in "
-                "flight (started after its module's forward): what was sent mixes its values before and after "
-                "the change, so it was not applied. Change parameters only outside the forward and backward "
-                "passes (a module that rewrites its weight in its forward, other than nn.Embedding(max_norm=...), "
-                "which the wrappers know, cannot have its communication started there)")
         with torch.no_grad():
             p.copy_(result)
 
@@ -762,6 +748,10 @@ class _ParameterCommunicator(_DistributedOptimizer):
         super().__init__(optimizer, model, num_steps_per_communication, name_prefix)
         self._next_type = None      # set during a round: the communication_type of the next
         names = [n for n, _ in self._named]
+        if not backward:    # the weights that start in step() (_rewrites_weight) last: they hold none back
+            late = {self._name_of[id(p)] for m, params in _forward_owners(self.model) if _rewrites_weight(m)
+                    for p in params if id(p) in self._name_of}
+            names = [n for n in names if n not in late] + [n for n in names if n in late]
         # (used in a round whose collectives must start in one order: see _set_round)
         self._ordered = _InOrder(names[::-1] if backward else names, self._start, self._refuse_second_pass,
                                  self._param_of, self._round_frozen)
@@ -845,7 +835,6 @@ class _ParameterCommunicator(_DistributedOptimizer):
                     name=name)
             else:
                 h = ops.allreduce_nonblocking(x, average=True, name=name)
-        self._sent_versions[id(p)] = p._version
         self._started(name, p, h)
 
     def _launch_rest(self):

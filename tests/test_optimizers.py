@@ -66,8 +66,8 @@ def test_compiled_models_train_as_uncompiled_ones_without_warnings(tmp_path):
 
 def test_parameters_the_forward_pass_changes_or_skips_are_communicated_whole():
     """lr 0 against the mixing matrix: an nn.Embedding(max_norm) called twice per pass is
-    averaged as the pass left it (its communication was changed in flight); a weight a
-    custom forward changes in place while in flight makes AWC's step() raise; WinPut puts
+    averaged as the pass left it (its communication was changed in flight), a subclass too,
+    and with allreduce it comes last in the fixed order, holding none back; WinPut puts
     MultiheadAttention's out_proj (never called as a module) in the forward pass, so
     its neighbors' values of the step are combined (tests/workers/opt_forward_changes.py)."""
     run_agents(4, "opt_forward_changes.py", timeout=120)
