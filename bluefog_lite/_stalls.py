@@ -240,18 +240,16 @@ class StallInspector:
         kind of operation: the hierarchical one and the machine-local allreduce
         send under (name, part) keys, the other neighbor operations under the name)."""
         keys, expected = {key for _, key in wait.keys}, set(wait.keys)
-        same = set()
-        for (src, key), q in self.stream.inbox.items():
-            if q and key in keys and (src, key) not in expected:
-                same.add(src)
+        same = {src for (src, key), q in self.stream.inbox.items()
+                if q and key in keys and (src, key) not in expected}
         delivered = self._delivered(wait)
         other = {src for src, key in _other_kinds(self.stream.inbox, keys) if src not in delivered}
         return sorted(same), sorted(other)
 
     def _delivered(self, wait):
-        """The ranks whose entries a Recv wait takes have all arrived: their data of
-        the name under the other key form (see _other_kinds) is their next call's (a
-        name used by one kind after another), not a mismatch."""
+        """The ranks of a Recv wait whose entries have all arrived: their data of the
+        name under the other key form (see _other_kinds) is their next call's (a name
+        used by one kind after another), not a mismatch."""
         lacking = self._lacking(wait)
         return {src for src, _ in wait.keys} - set(lacking)
 

@@ -161,7 +161,10 @@ def keep_out_of_compiled_graphs():
     model (they launch communication and record the timeline; it breaks the graph
     there anyway, and warns once per process where they reach a C function it
     cannot trace). Done once, at the first installation (creating any torch
-    optimizer has imported Dynamo already). Costs ~0.3 us per hook call."""
+    optimizer has imported Dynamo already). Costs ~0.3 us per hook call. Hooks whose
+    class has a true ``traceable`` only count passes (no communication, no timeline):
+    Dynamo traces them, so that a model compiled with fullgraph=True still compiles
+    with ATC's."""
     if _kept_out[0]:
         return
     _kept_out[0] = True
