@@ -391,6 +391,12 @@ class Engine(CallerDrive, StallInspector):
     def send_object(self, dst, key, obj):
         self.stream.queue_object(dst, key, obj)
 
+    def send_to_others(self, key, obj):
+        """send_object to every other agent (a word about a collective)."""
+        for r in range(self.size):
+            if r != self.rank:
+                self.stream.queue_object(r, key, obj)
+
     def next_collective(self, op, mpi_call=False):
         """op's place in the agents' sequence of collectives; mpi_call: it will make an
         MPI collective call (allreduce, broadcast, allgather, a window's allocation),

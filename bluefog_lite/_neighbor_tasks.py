@@ -391,6 +391,17 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         eng.send_object(dst, dtype_key, dtype_name(x.dtype))
     tried = []
     machine_stage = False
+
+    def no_machine_sum(why):
+        """The agents waiting for this machine sum (those not sent it) fail too, instead
+        of waiting forever; what the other machines send this agent must not feed a
+        later call."""
+        note = BadInput(f"has no machine sum to send{why}")
+        for dst, _ in send_plan:
+            if dst not in tried:
+                eng.send_object(dst, key, note)
+        eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
+
     try:
         machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
         with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
@@ -411,25 +422,16 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
             entries = yield Recv([(src, k) for k in (key, dtype_key) for src in recv_from])
     except GeneratorExit:
         # Timed out (closed by the stall inspector, which forgets the inputs it waited
-        # for): in the machine stage those were the machine keys; before it, they are
-        # forgotten here (the other machines' sums and dtypes would feed the next call),
-        # and the agents waiting for this machine sum get a note instead (else one that
-        # timed out waiting would drop this agent's next sum in its place)
+        # for): in the machine stage those were the machine keys; before it, the other
+        # machines' sums and dtypes are forgotten here, and the agents waiting for this
+        # machine sum are told (else one that timed out waiting would drop this agent's
+        # next sum in its place)
         if not machine_stage:
-            note = BadInput(f"has no machine sum to send: its call timed out on its machine (rank {eng.rank})")
-            for dst, _ in send_plan:
-                eng.send_object(dst, key, note)
-            eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
+            no_machine_sum(f": its call timed out on its machine (rank {eng.rank})")
         raise
     except Exception as err:
-        # No sum for this machine (or not sent): the agents waiting for it fail too (instead
-        # of waiting forever), and what they send this agent must not feed a later call.
         why = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-        note = BadInput(f"has no machine sum to send, because on its machine: {why}")
-        for dst, _ in send_plan:
-            if dst not in tried:
-                eng.send_object(dst, key, note)
-        eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
+        no_machine_sum(f", because on its machine: {why}")
         raise
     remote, dtypes = entries[:len(recv_from)], entries[len(recv_from):]
     try:

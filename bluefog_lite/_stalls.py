@@ -58,6 +58,14 @@ def _negotiation(key, entry):
     return None
 
 
+def mpi_collectives_end(what, why):
+    """Engine.collectives_broken's text: what happened, why a later MPI collective
+    would mix data."""
+    return (f"{what} ({why}); allreduce, broadcast, allgather, win_create and win_free cannot run on this "
+            "agent any more in this run (neighbor operations, barrier and window puts, gets and updates still "
+            "can)")
+
+
 def _skip_word(key):
     """True for the key ("S", seq) of another agent's word that its collective seq failed
     before its MPI call (_tasks.skipped_collective): left unread where that call was
@@ -242,28 +250,24 @@ class StallInspector:
         keys, expected = {key for _, key in wait.keys}, set(wait.keys)
         same = {src for (src, key), q in self.stream.inbox.items()
                 if q and key in keys and (src, key) not in expected}
-        delivered = self._delivered(wait)
-        other = {src for src, key in _other_kinds(self.stream.inbox, keys) if src not in delivered}
-        return sorted(same), sorted(other)
+        return sorted(same), sorted({src for src, _ in self._other_kinds_data(wait)})
 
-    def _delivered(self, wait):
-        """The ranks of a Recv wait whose entries have all arrived: their data of the
-        name under the other key form (see _other_kinds) is their next call's (a name
+    def _other_kinds_data(self, wait):
+        """[(src, key)] of the inbox's data of the wait's names under keys of the other
+        form (another kind of operation, see _other_kinds), but from the ranks whose
+        entries of this wait have all arrived: theirs is their next call's (a name
         used by one kind after another), not a mismatch."""
         lacking = self._lacking(wait)
-        return {src for src, _ in wait.keys} - set(lacking)
+        delivered = {src for src, _ in wait.keys} - set(lacking)
+        return [(src, key) for src, key in _other_kinds(self.stream.inbox, {key for _, key in wait.keys})
+                if src not in delivered]
 
     def _forget_other_kinds(self, wait):
-        """At a timeout: data of the same name that came under keys of the other form
-        (another kind of operation, see _strays) is dropped, but from the ranks that
-        sent this call's data (_delivered): it belongs to a call that did not pair
-        with this one, and would feed this agent's next call of that kind (a wrong
-        result without an error; dropped, data of a correct program's next call of
-        another kind makes that call stall instead)."""
-        delivered = self._delivered(wait)
-        for src, key in _other_kinds(self.stream.inbox, {key for _, key in wait.keys}):
-            if src in delivered:
-                continue
+        """At a timeout: the data _other_kinds_data finds is dropped: it belongs to a
+        call that did not pair with this one, and would feed this agent's next call of
+        that kind (a wrong result without an error; dropped, data of a correct
+        program's next call of another kind makes that call stall instead)."""
+        for src, key in self._other_kinds_data(wait):
             while self.stream.has(src, key):
                 self.stream.take(src, key).release()
 
@@ -340,13 +344,11 @@ class StallInspector:
                 if op.collective:
                     # The late agents may still make this collective's MPI call, which
                     # would pair with this agent's next one and mix their data
-                    self.collectives_broken = (
+                    self.collectives_broken = mpi_collectives_end(
                         f"the collective {op.kind} {op.name!r} timed out on this agent (rank {self.rank}), "
-                        "so its collectives are out of step with the other agents' (a late agent may still "
-                        "make that call's MPI collective, which would pair with this agent's next one and "
-                        "mix their data); allreduce, broadcast, allgather, win_create and win_free cannot "
-                        "run on it any more in this run (neighbor operations, barrier and window puts, gets "
-                        "and updates still can)")
+                        "so its collectives are out of step with the other agents'",
+                        "a late agent may still make that call's MPI collective, which would pair with this "
+                        "agent's next one and mix their data")
                 if op.finished_task:
                     # only its sends are left: _finish keeps them going (keep_sending). A
                     # fused group's members sent in the same message: they fail with it
@@ -382,10 +384,7 @@ class StallInspector:
         uses up #seq and their later collectives stay in step (else one that never
         calls this one would pair each of its collectives with this agent's previous
         one: silently where kind and name match, a barrier, set_topology)."""
-        seq = op.wait.keys[0][1][1]
-        for r in range(self.size):
-            if r != self.rank:
-                self.send_object(r, ("W", seq), (op.kind, op.name))
+        self.send_to_others(("W", op.wait.keys[0][1][1]), (op.kind, op.name))
 
     def forget_inputs(self, keys):
         """A timed-out (or failed) op's inputs must not feed the next op of the same

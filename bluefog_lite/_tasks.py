@@ -11,7 +11,7 @@ was refused.
 """
 import torch
 
-from ._stalls import OpTimeout
+from ._stalls import OpTimeout, mpi_collectives_end
 from ._stream import MARKED_KINDS, dtype_name
 from ._waits import Recv, Turn, Until
 from .timeline import _recorder as tl
@@ -150,8 +150,7 @@ def exchange_headers(eng, op, payload, mpi_call=False):
         return [payload]
     key = ("C", seq)
     others = [r for r in range(eng.size) if r != eng.rank]
-    for r in others:
-        eng.send_object(r, key, me)
+    eng.send_to_others(key, me)
     with _phase(op.name, "NEGOTIATION"):
         entries = yield Recv([(r, key) for r in others])
     views = [None] * eng.size
@@ -195,10 +194,9 @@ def _refuse_withdrawn(eng, op, seq, others, agreed):
     why = (f"ranks {withdrawn} timed out in their collective #{seq} ({listing}) and gave it up before this "
            f"agent (rank {eng.rank}) reached its own #{seq}, {op.kind} {op.name!r}")
     if op.collective and agreed:
-        eng.collectives_broken = (
-            f"{why}; allreduce, broadcast, allgather, win_create and win_free cannot run on this agent any more "
-            "in this run (an agent that agreed on it before their word came may have made its MPI call, which "
-            "would pair with this agent's next one)")
+        eng.collectives_broken = mpi_collectives_end(
+            why, "an agent that agreed on it before their word came may have made its MPI call, which would "
+            "pair with this agent's next one")
     raise OpTimeout(f"{op.kind} {op.name!r} was refused: {why} (this call would have paired with theirs; "
                     "refused, it keeps the agents' collectives in step)")
 
@@ -234,9 +232,7 @@ def skipped_collective(eng, op, exc):
     wait until every other agent says it failed there too (mpi_turn)."""
     if op.coll_seq is not None and eng.size > 1:
         eng.skipped_collectives[op.coll_seq] = f"{op.kind} {op.name!r}"
-        for r in range(eng.size):
-            if r != eng.rank:
-                eng.send_object(r, ("S", op.coll_seq), None)
+        eng.send_to_others(("S", op.coll_seq), None)
 
 
 def failed_everywhere(what, bad, kind=ValueError, because="bad input"):

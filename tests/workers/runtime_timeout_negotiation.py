@@ -21,22 +21,22 @@ r, n = bf.rank(), bf.size()
 EARLY = (0, 1)
 
 
-def refused(fn, *args):
+def times_out(text, fn, *args):
+    """fn(*args) raises a TimeoutError saying text."""
     try:
         fn(*args)
     except TimeoutError as e:
-        assert "was refused: ranks [0, 1] timed out in their collective" in str(e), e
+        assert text in str(e), e
         return
-    raise AssertionError(f"rank {r}: {fn.__name__} was not refused")
+    raise AssertionError(f"rank {r}: {fn.__name__} did not raise a TimeoutError saying {text!r}")
+
+
+def refused(fn, *args):
+    times_out("was refused: ranks [0, 1] timed out in their collective", fn, *args)
 
 
 def timed_out(fn, *args):
-    try:
-        fn(*args)
-    except TimeoutError as e:
-        assert "timed out after" in str(e), e
-        return
-    raise AssertionError(f"rank {r}: {fn.__name__} did not time out")
+    times_out("timed out after", fn, *args)
 
 
 # -- a barrier that ranks 2 and 3 never call ------------------------------------------------
