@@ -69,16 +69,26 @@ def _parameters_of(models):
 
 
 def _named_params(model, every, optimizer):
-    """every: _parameters_of the model(s); those that require gradients, checked."""
-    named = [(n, p) for n, p in every if p.requires_grad]
-    in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    missing = [n for n, p in named if id(p) not in in_opt]
-    if missing:
-        raise ValueError(f"parameters {missing[:5]} of the model are not in the optimizer")
+    """every: _parameters_of the model(s). Returns (those the wrapper trains: they require
+    gradients and the optimizer holds them, those that require gradients but that it does
+    not hold). The optimizer may hold part of the model, as in Bluefog (a head fine-tuned
+    on a backbone): the rest is neither stepped nor communicated."""
+    trainable = [(n, p) for n, p in every if p.requires_grad]
+    held = _held_ids(optimizer.param_groups)
+    named = [(n, p) for n, p in trainable if id(p) in held]
+    if trainable and not named:
+        raise ValueError(f"none of the model's parameters that require gradients ({[n for n, _ in trainable][:5]}"
+                         f"{' ...' if len(trainable) > 5 else ''}) is in the optimizer: the wrapper would have "
+                         "nothing to train or communicate (build the optimizer from the model's parameters)")
     if not named:
         raise ValueError(f"the model ({type(model).__name__}) has no parameters that require gradients: "
                          "the wrapper would have nothing to communicate")
-    return named
+    return named, [(n, p) for n, p in trainable if id(p) not in held]
+
+
+def _held_ids(groups):
+    """The ids of the parameters in param_groups groups."""
+    return {id(p) for g in groups for p in g["params"]}
 
 
 # (each reentrant checkpoint runs a backward pass of its own inside backward())
@@ -332,8 +342,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.num_steps_per_communication = int(num_steps_per_communication)
         every = _parameters_of(self._model_names)
-        self._named = _named_params(model, every, optimizer)
+        self._named, self._outside = _named_params(model, every, optimizer)
         self._frozen = [(n, p) for n, p in every if not p.requires_grad]   # (checked per step)
+        self._held_of = (None, None)    # (the optimizer's groups' shape, _held_ids) as last found: _held
         self._registered_seen = _registered[0]     # parameters registered on modules (anywhere) by then
         if self._named_ops:
             self._prefix = _prefix(name_prefix, "name_prefix")  # (another wrapped model may have the same names)
@@ -614,14 +625,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         update, the wrapped optimizer had moved them on each agent's own gradient, and
         wrapping again went on from copies that no longer agreed.)"""
         thawed = [(n, p) for n, p in self._frozen if p.requires_grad and p.grad is not None]
+        joined = [(n, p) for n, p in self._outside if p.grad is not None]
+        if thawed or joined:        # (those the optimizer does not hold are not stepped: no harm)
+            held = self._held()
+            thawed = [(n, p) for n, p in thawed if id(p) in held]
+            joined = [(n, p) for n, p in joined if id(p) in held]
         if thawed:
             return (f"parameters {[n for n, _ in thawed][:5]} of the model did not require gradients when "
                     f"{type(self).__name__} was created and now have them: the wrapper does not communicate them, "
                     f"so the agents' copies would drift apart (this step did not step them). After unfreezing, "
                     f"{self._REWRAP}", [p for _, p in thawed])
+        if joined:
+            return (f"parameters {[n for n, _ in joined][:5]} of the model were not in the optimizer when "
+                    f"{type(self).__name__} was created and now are (add_param_group): the wrapper does not "
+                    f"communicate them, so the agents' copies would drift apart (this step did not step them). "
+                    f"{self._REWRAP[0].upper()}{self._REWRAP[1:]}", [p for _, p in joined])
         if _registered[0] != self._registered_seen:
             return self._new_parameters()
         return None, ()
+
+    def _held(self):
+        """_held_ids of the wrapped optimizer, found again when its groups change."""
+        groups = self.optimizer.param_groups
+        shape = (id(groups), tuple(len(g["params"]) for g in groups))
+        if shape != self._held_of[0]:
+            self._held_of = (shape, _held_ids(groups))
+        return self._held_of[1]
 
     @staticmethod
     @contextlib.contextmanager
@@ -649,7 +678,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """A parameter or module was registered somewhere since the last look: the refusal
         (as _refusal) if the model has one the wrapper does not know that has a gradient (a
         layer added or replaced after wrapping: never communicated, silently)."""
-        known = {id(p) for _, p in self._named} | {id(p) for _, p in self._frozen}
+        known = {id(p) for _, p in self._named + self._frozen + self._outside}
         new = [(n, p) for n, p in _parameters_of(self._model_names) if id(p) not in known]
         used = [(n, p) for n, p in new if p.grad is not None]
         if used:

@@ -187,6 +187,12 @@ def test_wrapper_arguments_are_checked():
     run_agents(2, "opt_arguments.py", timeout=90)
 
 
+def test_an_optimizer_holding_part_of_the_model_trains_and_communicates_that_part():
+    """As in Bluefog (a head fine-tuned on a backbone): the head against a simulation of
+    each wrapper, the rest unmoved; the backbone added to the optimizer later is refused."""
+    run_agents(4, "opt_subset.py", timeout=120)
+
+
 def test_a_step_function_must_take_four_arguments():
     with pytest.raises(TypeError, match=r"fn must take four arguments, fn\(param, grad, group, state\)"):
         _local_steps.register_step_function(torch.optim.RMSprop, lambda x: x)
