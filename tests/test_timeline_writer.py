@@ -83,15 +83,35 @@ def test_complete_spans_are_written_after_what_they_contain(tmp_path):
     assert [e["ts"] for e in events if e["ph"] == "i"] == [2.5]
 
 
-def test_complete_span_starts_after_an_end_inside_it_and_pushes_what_follows(tmp_path):
+def test_complete_span_is_cut_where_a_span_ended_inside_it_and_pushes_what_follows(tmp_path):
     # BACKWARD's begin is the end of the previous stretch; the ENQUEUE that ended
-    # meanwhile on its row (stamped by the communication thread) cuts it, and a
-    # begin stamped a hair before BACKWARD's end is moved after it
+    # meanwhile on its row (stamped by the communication thread) cuts it in two pieces,
+    # the first inside the ENQUEUE (before, the first was dropped: compute time and its
+    # overlap with communication went missing), and a begin stamped a hair before
+    # BACKWARD's end is moved after it
     t = 1
     events, _ = write(tmp_path, [("B", 1000, "p", "ENQUEUE_X", t), ("E", 3000, "p", "ENQUEUE_X", t),
                                  ("X", (2000, 5000), "p", "BACKWARD", t), ("B", 4900, "p", "ENQUEUE_X", t),
                                  ("E", 6000, "p", "ENQUEUE_X", t)])
-    assert spans(events) == [(1, "BACKWARD", 3.0, 5.0), (1, "ENQUEUE_X", 1.0, 3.0), (1, "ENQUEUE_X", 5.0, 6.0)]
+    assert spans(events) == [(1, "BACKWARD", 2.0, 3.0), (1, "BACKWARD", 3.0, 5.0), (1, "ENQUEUE_X", 1.0, 3.0),
+                             (1, "ENQUEUE_X", 5.0, 6.0)]
+    parents = sorted((s.begin, s.parent) for s in read_spans(events) if s.name == "BACKWARD")
+    assert parents == [(2.0, "ENQUEUE_X"), (3.0, None)]
+
+
+def test_complete_span_is_cut_at_every_begin_and_end_inside_it(tmp_path):
+    """Pieces tile the span, each nested where it lies (read_spans checks the nesting);
+    with more begins and ends inside than the writer keeps, it starts at the oldest kept."""
+    t = 1
+    inside = [("B", 2000, "p", "A", t), ("B", 2500, "p", "C", t), ("E", 3000, "p", "C", t), ("E", 3500, "p", "A", t)]
+    events, _ = write(tmp_path, inside + [("X", (1500, 4000), "p", "BACKWARD", t)])
+    assert [(b, e) for _, n, b, e in spans(events) if n == "BACKWARD"] == \
+        [(1.5, 2.0), (2.0, 2.5), (2.5, 3.0), (3.0, 3.5), (3.5, 4.0)]
+    many = [(ph, 2000 + 100 * i, "p", "A", t) for i, ph in enumerate("BEBEBEBEBE")]     # ten marks, 2.0 .. 2.9
+    events, _ = write(tmp_path, many + [("X", (1500, 4000), "p", "BACKWARD", t)])
+    pieces = [(b, e) for _, n, b, e in spans(events) if n == "BACKWARD"]
+    assert pieces[0][0] == 2.2 and pieces[-1] == (2.9, 4.0), pieces
+    assert all(abs(a[1] - b[0]) < 1e-9 for a, b in zip(pieces, pieces[1:])), pieces
 
 
 @pytest.mark.parametrize("dur_ns, text", [(0, "0.000"), (7, "0.007"), (999, "0.999"), (1000, "1.000"),

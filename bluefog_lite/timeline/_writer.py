@@ -23,9 +23,14 @@ writer keeps a stack of open spans per track (see _recorder.py for which span
 an end closes): when that span is not the innermost, the spans opened inside
 it are ended first and reopened at the same instant. An end with no matching
 open span (its begin happened before recording started) is dropped.
-Begins and ends never go backwards on a track; a complete span begins no
-earlier than the last begin or end before it, and what follows it on its
-track no earlier than its end.
+Begins and ends never go backwards on a track. A complete span that began
+before the last begin or end on its track (a BACKWARD recorded when the
+gradient is ready, during which a communication of that parameter launched in
+the forward pass ended) is written as adjacent pieces cut at the begins and ends
+in between, each nested where it lies, so that no compute time goes missing; it
+starts no earlier than the oldest of the last _MARKS of them and than the end
+of the complete span before it, and what follows it on its track no earlier
+than its end.
 """
 import collections
 import json
@@ -43,6 +48,7 @@ MAIN_TID, COMM_TID = 1, 2
 _SLICE = 20000          # events formatted per write while a backlog is drained (~20 ms each)
 _CACHED = 4096          # entries of the writer's caches of JSON text (cleared when full)
 _FINISHED_KEPT = 2048   # finished rows of unnamed calls kept for late events (COPY_TO_DEVICE): ~1024 calls
+_MARKS = 8              # the last begins and ends kept per track, where a complete span beginning earlier is cut
 # the form of the names ops._op_name gives calls without one (each used by one call
 # only), which users may not choose (ops.check_name)
 GENERATED_NAME = re.compile(r"[a-z_]+\.noname\.[0-9]+")
@@ -54,13 +60,16 @@ def _ts(t_ns):
 
 
 class _Track:
-    """One (pid, tid) row: its open spans and the last timestamp written on it."""
-    __slots__ = ("tail", "stack", "last")
+    """One (pid, tid) row: its open spans, the last timestamp written on it and the
+    last few times that a begin or end was (ascending; a complete span's end is
+    not one: a complete span beginning before it starts after it, as it did)."""
+    __slots__ = ("tail", "stack", "last", "marks")
 
     def __init__(self, pid, tid):
         self.tail = f'"pid":{pid},"tid":{tid}}},\n'
         self.stack = []
         self.last = 0
+        self.marks = collections.deque(maxlen=_MARKS)
 
 
 class Writer:
@@ -248,18 +257,19 @@ class Writer:
                     # on another thread; an end of a call begun before recording) has no end to wait for
                     self._forget(name, ident)
             if ph == "X":
-                # A whole span, recorded at its end, after what happened inside it;
-                # it starts no earlier than the last begin or end on its row, and
-                # what follows on the row starts no earlier than its end.
+                # A whole span, recorded at its end, after what happened inside it: cut
+                # where something began or ended on its row since it began (the last
+                # piece starts at the last of them); what follows starts no earlier
+                # than its end.
                 begin, t = t
+                heads = heads_of.get(activity) or self._heads(activity)
                 if begin < track.last:
-                    begin = track.last
+                    begin = self._pieces(track, begin, t, heads[3], append)
                 if t < begin:
                     t = begin
                 track.last = t
                 s, d = str(begin), t - begin
                 d = str(d) if d >= 1000 else f"{d:04d}"     # (cheaper than divmod)
-                heads = heads_of.get(activity) or self._heads(activity)
                 append(f"{heads[3]}{s[:-3]}.{s[-3:]},\"dur\":{d[:-3]}.{d[-3:]},{track.tail}")
                 continue
             if ph == "i":
@@ -273,6 +283,9 @@ class Writer:
                 t = track.last
             else:
                 track.last = t
+            marks = track.marks
+            if not marks or marks[-1] != t:
+                marks.append(t)
             # perf_counter_ns counts ns since boot (>= 1000): the string split
             # gives exact microseconds with three decimals, cheaply
             s = str(t)
@@ -291,6 +304,21 @@ class Writer:
                 heads = heads_of.get(activity) or self._heads(activity)
                 append(f"{heads[0]}{s[:-3]}.{s[-3:]},{track.tail}")
         return taken < queued
+
+    @staticmethod
+    def _pieces(track, begin, end, head, append):
+        """Write the complete span [begin, end] (head: the start of its line) but its last
+        piece, cut at the track's marks after begin; return the last piece's begin.
+        Begins no earlier than the oldest mark if older ones may have been dropped."""
+        marks = track.marks
+        if len(marks) == _MARKS and marks[0] > begin:
+            begin = marks[0]
+        for m in marks:
+            if begin < m < end:
+                s, d = _ts(begin), _ts(m - begin)
+                append(f'{head}{s},"dur":{d},{track.tail}')
+                begin = m
+        return begin if begin >= track.last else track.last
 
     def _end_inner(self, track, ts, activity, lines):
         """An end for a span that is not the innermost: close the spans opened
