@@ -16,7 +16,7 @@ its communication, so that a layer's compute and communication share a row):
   before the module's other forward hooks, even ones registered earlier (an
   optimizer wrapper's launch of the parameter's communication), so the ENQUEUE
   span those start follows FORWARD on the row instead of overlapping it (the
-  writer would start FORWARD, recorded once it ends, at that ENQUEUE's begin);
+  writer would cut FORWARD, recorded once it ends, at that ENQUEUE's begin);
 - BACKWARD: the stretch of back-propagation that ends with the parameter's
   gradient (a hook on the parameter). It begins where the previous stretch of
   the same backward pass ended -- when the previous module's gradients were
@@ -30,8 +30,9 @@ span is recorded then, with a timestamp in the past. Finding it this way costs
 one autograd-node hook per forward pass (on the model's output) instead of one
 per module, which matters: registering a node hook costs ~15 µs here. If
 another span on the same row ended inside that stretch (a communication
-launched during forward finishing during backward), the writer starts
-BACKWARD at that end instead (timestamps never go backwards on a row).
+launched during forward finishing during backward), the writer cuts
+BACKWARD there into adjacent pieces, each nested where it lies (Perfetto drops
+slices that overlap partially).
 
 Only the public hook API is used and every handle is kept, so ``remove()``
 undoes everything (the per-pass node hook lives and dies with its graph).

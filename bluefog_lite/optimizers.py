@@ -259,14 +259,16 @@ def _prefix(value, what):
 
 
 def _check_not_wrapped(model):
-    """Two wrappers on one model would both communicate its parameters under the same
-    names (the second's calls fail as 'already in flight'): refuse the second while
-    the first's hooks are in place."""
+    """One model, one wrapper (its hooks count the model's passes and start its
+    communication): refuse a second while the first's hooks are in place."""
     ref = _wrapper_of.get(model)
     other = ref() if ref is not None else None
     if other is not None and other._hooks:
-        raise ValueError(f"the model already has a {type(other).__name__} communicating its parameters; "
-                         "call its remove_hooks() before wrapping the model again")
+        raise ValueError(f"the model already has a {type(other).__name__} (one model takes one wrapper); call its "
+                         "remove_hooks() before wrapping the model again. To train parts of one model with "
+                         "different optimizers, wrap each part as its own model, with its own name_prefix (e.g. "
+                         "wrapper(opt_a, model.encoder, name_prefix='enc') and wrapper(opt_b, model.decoder, "
+                         "name_prefix='dec'))")
 
 
 def _check_not_shared(named):
@@ -344,7 +346,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         every = _parameters_of(self._model_names)
         self._named, self._outside = _named_params(model, every, optimizer)
         self._frozen = [(n, p) for n, p in every if not p.requires_grad]   # (checked per step)
-        self._held_of = (None, None)    # (the optimizer's groups' shape, _held_ids) as last found: _held
         self._registered_seen = _registered[0]     # parameters registered on modules (anywhere) by then
         if self._named_ops:
             self._prefix = _prefix(name_prefix, "name_prefix")  # (another wrapped model may have the same names)
@@ -645,12 +646,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return None, ()
 
     def _held(self):
-        """_held_ids of the wrapped optimizer, found again when its groups change."""
-        groups = self.optimizer.param_groups
-        shape = (id(groups), tuple(len(g["params"]) for g in groups))
-        if shape != self._held_of[0]:
-            self._held_of = (shape, _held_ids(groups))
-        return self._held_of[1]
+        """_held_ids of the wrapped optimizer as its groups are now (found at each use, not
+        cached: a group's params may be replaced by as many others)."""
+        return _held_ids(self.optimizer.param_groups)
 
     @staticmethod
     @contextlib.contextmanager

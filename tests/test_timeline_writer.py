@@ -99,6 +99,17 @@ def test_complete_span_is_cut_where_a_span_ended_inside_it_and_pushes_what_follo
     assert parents == [(2.0, "ENQUEUE_X"), (3.0, None)]
 
 
+def test_a_piece_never_starts_inside_an_earlier_complete_span(tmp_path):
+    # (a module calling itself in its forward: the inner FORWARD ends inside the outer one,
+    # and a launch's ENQUEUE begins and ends in between)
+    t = 1
+    events, _ = write(tmp_path, [("X", (10000, 20000), "p", "BACKWARD", t), ("B", 25000, "p", "ENQUEUE_X", t),
+                                 ("E", 30000, "p", "ENQUEUE_X", t), ("X", (15000, 40000), "p", "FORWARD", t)])
+    assert [(n, b, e) for _, n, b, e in spans(events)] == [
+        ("BACKWARD", 10.0, 20.0), ("ENQUEUE_X", 25.0, 30.0), ("FORWARD", 20.0, 25.0), ("FORWARD", 25.0, 30.0),
+        ("FORWARD", 30.0, 40.0)]
+
+
 def test_complete_span_is_cut_at_every_begin_and_end_inside_it(tmp_path):
     """Pieces tile the span, each nested where it lies (read_spans checks the nesting);
     with more begins and ends inside than the writer keeps, it starts at the oldest kept."""

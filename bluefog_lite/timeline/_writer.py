@@ -63,13 +63,14 @@ class _Track:
     """One (pid, tid) row: its open spans, the last timestamp written on it and the
     last few times that a begin or end was (ascending; a complete span's end is
     not one: a complete span beginning before it starts after it, as it did)."""
-    __slots__ = ("tail", "stack", "last", "marks")
+    __slots__ = ("tail", "stack", "last", "marks", "xend")
 
     def __init__(self, pid, tid):
         self.tail = f'"pid":{pid},"tid":{tid}}},\n'
         self.stack = []
         self.last = 0
         self.marks = collections.deque(maxlen=_MARKS)
+        self.xend = 0       # the end of the last complete span written on the row
 
 
 class Writer:
@@ -267,7 +268,7 @@ class Writer:
                     begin = self._pieces(track, begin, t, heads[3], append)
                 if t < begin:
                     t = begin
-                track.last = t
+                track.last = track.xend = t
                 s, d = str(begin), t - begin
                 d = str(d) if d >= 1000 else f"{d:04d}"     # (cheaper than divmod)
                 append(f"{heads[3]}{s[:-3]}.{s[-3:]},\"dur\":{d[:-3]}.{d[-3:]},{track.tail}")
@@ -309,10 +310,13 @@ class Writer:
     def _pieces(track, begin, end, head, append):
         """Write the complete span [begin, end] (head: the start of its line) but its last
         piece, cut at the track's marks after begin; return the last piece's begin.
-        Begins no earlier than the oldest mark if older ones may have been dropped."""
+        Begins no earlier than the oldest mark if older ones may have been dropped, nor
+        than the end of the last complete span on the track."""
         marks = track.marks
         if len(marks) == _MARKS and marks[0] > begin:
             begin = marks[0]
+        if begin < track.xend:      # (no piece starts inside an earlier complete span)
+            begin = track.xend
         for m in marks:
             if begin < m < end:
                 s, d = _ts(begin), _ts(m - begin)

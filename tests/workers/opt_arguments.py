@@ -96,8 +96,9 @@ assert ok.num_steps_per_communication == 2 and type(ok.num_steps_per_communicati
 ok.remove_hooks()
 # one wrapper per model at a time: a second would communicate the parameters again
 first = AWC(sgd(net.parameters()), net)
-raises(ValueError, "the model already has a DistributedAdaptWithCombineOptimizer communicating its parameters; "
+raises(ValueError, "the model already has a DistributedAdaptWithCombineOptimizer (one model takes one wrapper); "
        "call its remove_hooks()", ATC, sgd(net.parameters()), net)
+raises(ValueError, "wrap each part as its own model", ATC, sgd([net.bias]), net)
 first.remove_hooks()
 # nor a model that holds its parameters (a part of it, a model containing it, a list with a part)
 seq = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))

@@ -10,7 +10,8 @@ combine_r: agent r's column of the default topology's mixing matrix. WinPut: onl
 head gets windows, and the backbone stays. Then, per wrapper: a frozen layer that the
 optimizer does not hold, unfrozen, is left alone without an error; the backbone added to
 the optimizer (add_param_group) makes step() raise on every agent without stepping it
-(the wrapper does not communicate it: the copies would drift); wrapped again, it trains."""
+(the wrapper does not communicate it: the copies would drift); wrapped again, it trains.
+Last, two parts of one model, each wrapped as its own model with its own optimizer."""
 import copy
 
 import torch
@@ -124,5 +125,47 @@ for name, wrapper in WRAPPERS.items():
     again.remove_hooks()
     if name == "winput":
         again.free_windows()
+
+# a group's parameters replaced by as many others of the model (a phase switch): refused as well
+model = new_model(rank)
+start = copy.deepcopy(model)
+sgd = torch.optim.SGD(model[4].parameters(), lr=LR)
+opt = bf.DistributedAdaptWithCombineOptimizer(sgd, model)
+opt.zero_grad()
+loss_of(model, rank, 0).backward()
+opt.step()                                # (the backbone has gradients: what the optimizer holds is looked at)
+start = copy.deepcopy(model)
+sgd.param_groups[0]["params"] = list(model[0].parameters())
+opt.zero_grad()
+loss_of(model, rank, 1).backward()
+try:
+    opt.step()
+    raise AssertionError("step() with the group switched to the backbone did not raise")
+except RuntimeError as exc:
+    assert "['0.weight', '0.bias'] of the model were not in the optimizer when" in str(exc), exc
+assert torch.equal(model[0].weight, start[0].weight), "the refused backbone was stepped"
+opt.remove_hooks()
+
+# parts of one model trained by different optimizers: each part wrapped as its own model, with
+# its own name_prefix (the whole model twice is refused: one model takes one wrapper). With
+# lr = 0 a step is the mixing alone: each agent gets its column of the mixing matrix applied
+# to the agents' values.
+model = new_model(rank)
+start = [new_model(r) for r in range(size)]
+awc = bf.DistributedAdaptWithCombineOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.0), model[0],
+                                              name_prefix="enc")
+atc = bf.DistributedAdaptThenCombineOptimizer(torch.optim.Adam(model[4].parameters(), lr=0.0), model[4],
+                                              name_prefix="dec")
+for opt in (awc, atc):
+    opt.zero_grad()
+loss_of(model, rank, 0).backward()
+awc.step()
+atc.step()
+for i in (0, 4):
+    for n, p in model[i].named_parameters():
+        want = combine([dict(m[i].named_parameters())[n].detach() for m in start], rank)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-12, atol=1e-12, msg=lambda m: f"part {i} {n}: {m}")
+awc.remove_hooks()
+atc.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
