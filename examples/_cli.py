@@ -13,6 +13,17 @@ def positive_float(text):
     return value
 
 
+def positive_int(text):
+    """A whole number >= 1 (a count: steps, samples, a batch size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
 def non_negative_float(text):
     """A finite number >= 0 (a time scale)."""
     value = _float(text)

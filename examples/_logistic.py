@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import bluefog_lite as bf
-from _cli import output_file, positive_float
+from _cli import output_file, positive_float, positive_int
 
 RHO = 0.05
 
@@ -35,11 +35,7 @@ def make_data(rank, samples=200, dim=10, seed=17):
 
 
 def local_problem(args):
-    """This agent's data as torch tensors (after checking the sizes given: each at least 1)."""
-    bad = [f"--{k} {v}" for k, v in sorted(vars(args).items()) if k in ("steps", "samples", "dim", "batch")
-           and v is not None and v < 1]
-    if bad:
-        raise SystemExit(f"error: {', '.join(bad)}: must be at least 1")
+    """This agent's data as torch tensors (the sizes were checked by the parser)."""
     A, y = make_data(bf.rank(), args.samples, args.dim)
     return torch.from_numpy(A), torch.from_numpy(y)
 
@@ -107,11 +103,11 @@ def finish(w, w_star, save):
 
 def parser(description, steps, short_steps, lr):
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--steps", type=int, default=None, help=f"iterations (default {steps})")
+    ap.add_argument("--steps", type=positive_int, default=None, help=f"iterations (default {steps})")
     ap.add_argument("--short", action="store_true", help=f"quick run for the tests ({short_steps} iterations)")
     ap.add_argument("--lr", type=positive_float, default=lr, help=f"step size (default {lr})")
-    ap.add_argument("--samples", type=int, default=200, help="samples per agent")
-    ap.add_argument("--dim", type=int, default=10, help="features, the bias included")
+    ap.add_argument("--samples", type=positive_int, default=200, help="samples per agent")
+    ap.add_argument("--dim", type=positive_int, default=10, help="features, the bias included")
     ap.add_argument("--save", type=output_file, default=None, help="write the agents' final iterates to this .npy file")
     ap.set_defaults(default_steps=steps, short_steps=short_steps)
     return ap

@@ -10,9 +10,11 @@ own pace (agent r sleeps a random 0 .. (1 + r % 3) * jitter ms per
 iteration, so they really do make progress at different speeds), and pushes
 land whenever they land. The sums of x and of p over all agents never
 change, so x / p converges on every agent to the average of the initial
-vectors -- on a directed graph (here the one-way ring), where plain
-averaging with uniform weights would not be possible without knowing the
-in-degrees.
+vectors, asynchronously, over a directed graph (here the one-way ring). Each
+agent needs only its own out-degree: the same holds on directed graphs whose
+in-degrees differ, where plain averaging with weights an agent can choose
+alone would not reach the average (on the one-way ring every in-degree is 1,
+so it happens to).
 
 Rank 0 prints its own estimate's distance to the true average as it goes;
 after the loop a barrier lets the last pushes land, a final collect takes

@@ -16,21 +16,23 @@ program prints the worst agent's distance to the centralized optimum, which
 it computes first with Newton's method on the gathered data.
 
 In a timeline (bfrun --timeline-filename tl_ ...) the step is on the row
-``w``: COMPUTE_GRADIENT on the main thread, started while the step's
-MPI_NEIGHBOR_ALLREDUCE (ALLOCATE_OUTPUT, COMMUNICATE, COMPUTE_AVERAGE) runs
-on the communication thread.
+``w``: COMPUTE_GRADIENT on the main thread, started right after the step's
+nonblocking call, and MPI_NEIGHBOR_ALLREDUCE (ALLOCATE_OUTPUT, COMMUNICATE,
+COMPUTE_AVERAGE) on the communication thread; how often the two overlap
+depends on the host (docs/examples.md).
 """
 import torch
 
 import bluefog_lite as bf
 import topology as topo
+from _cli import positive_int
 from _logistic import centralized_optimum, finish, gradient, local_problem, parser, report, steps_of
 from _timeline_note import shutdown_and_note
 
 
 def main():
     args = parser("decentralized SGD for logistic regression", steps=2000, short_steps=500, lr=0.05)
-    args.add_argument("--batch", type=int, default=50, help="minibatch size")
+    args.add_argument("--batch", type=positive_int, default=50, help="minibatch size")
     args = args.parse_args()
     bf.init(topology_fn=topo.ExponentialTwoGraph)
     A, y = local_problem(args)

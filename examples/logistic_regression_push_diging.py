@@ -25,10 +25,11 @@ sum_j C_ij x_j. The graph is a directed ring plus edges from agent 0 to
 everyone: agent 0 sends to all, the others to one, and in-degrees differ,
 so C is not doubly stochastic. The agents still reach the exact optimum.
 
-The mixing of y is nonblocking and still in flight while the gradient is
-computed. In a timeline, rows ``u``, ``v`` and ``y`` each show
-MPI_NEIGHBOR_ALLREDUCE on the communication thread, and row ``x``
-COMPUTE_GRADIENT on the main thread.
+The mixing of y is nonblocking, started with those of u and v; by default the
+three run as one fused group, so it is over before the gradient is computed
+(with BLUEFOG_FUSION_THRESHOLD=0 it runs alone and overlaps the gradient). In
+a timeline, rows ``u``, ``v`` and ``y`` each show MPI_NEIGHBOR_ALLREDUCE on the
+communication thread, and row ``x`` COMPUTE_GRADIENT on the main thread.
 """
 import networkx as nx
 
@@ -69,7 +70,7 @@ def main():
         hy = bf.neighbor_allreduce_nonblocking(track, name="y")
         u, v = bf.synchronize(hu), bf.synchronize(hv)
         x = u / v
-        with bf.timeline_context("x", "COMPUTE_GRADIENT"):     # overlaps the mixing of y
+        with bf.timeline_context("x", "COMPUTE_GRADIENT"):     # (y's mixing may still run: see above)
             g_new = gradient(x, A, y)
         track = bf.synchronize(hy) + g_new - g
         g = g_new

@@ -278,7 +278,9 @@ def test_readme_main_example_trains_and_says_where_its_timeline_is(tmp_path):
     ("average_consensus_push_sum.py", ["--save", "no_such_folder/x.npy"], "does not exist (create it first)"),
     ("average_consensus_push_sum.py", ["--jitter-ms", "inf"], "argument --jitter-ms: must be a finite number"),
     ("logistic_regression_exact_diffusion.py", ["--lr", "nan"], "argument --lr: must be a finite number"),
-    ("cnn_patterns.py", ["--lr", "0"], "argument --lr: must be a finite number above 0, got '0'")])
+    ("cnn_patterns.py", ["--lr", "0"], "argument --lr: must be a finite number above 0, got '0'"),
+    ("logistic_regression_dsgd.py", ["--batch", "0"], "argument --batch: must be at least 1, got '0'"),
+    ("logistic_regression_gradient_tracking.py", ["--samples", "0"], "argument --samples: must be at least 1")])
 def test_examples_refuse_bad_arguments_before_they_start(tmp_path, script, args, message):
     """A --save path that cannot be written, a NaN/inf or non-positive rate: a usage error at
     once (they ran to the end, then rank 0's np.save raised and aborted the job; --jitter-ms inf
