@@ -11,7 +11,8 @@ head gets windows, and the backbone stays. Then, per wrapper: a frozen layer tha
 optimizer does not hold, unfrozen, is left alone without an error; the backbone added to
 the optimizer (add_param_group) makes step() raise on every agent without stepping it
 (the wrapper does not communicate it: the copies would drift); wrapped again, it trains.
-Last, two parts of one model, each wrapped as its own model with its own optimizer."""
+Last, two parts of one model, each wrapped as its own model with its own optimizer, and
+ATC's local steps of the optimizer's parameters outside the model."""
 import copy
 
 import torch
@@ -166,6 +167,21 @@ for i in (0, 4):
         want = combine([dict(m[i].named_parameters())[n].detach() for m in start], rank)
         torch.testing.assert_close(p.detach(), want, rtol=1e-12, atol=1e-12, msg=lambda m: f"part {i} {n}: {m}")
 awc.remove_hooks()
+atc.remove_hooks()
+
+# ATC steps the optimizer's parameters outside the model itself (locally): found again when a
+# group's params list is replaced by one of as many others
+model = new_model(rank)
+e1, e2 = (torch.zeros(3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+sgd = torch.optim.SGD([{"params": list(model[4].parameters())}, {"params": [e1]}], lr=1.0)
+atc = bf.DistributedAdaptThenCombineOptimizer(sgd, model)
+for extra in (e1, e2):
+    sgd.param_groups[1]["params"] = [extra]
+    atc.zero_grad()
+    loss_of(model, rank, 0).backward()
+    extra.grad = torch.ones(3, dtype=torch.float64)
+    atc.step()
+assert torch.equal(e1, -torch.ones(3, dtype=torch.float64)) and torch.equal(e2, e1), (e1, e2)
 atc.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
