@@ -7,7 +7,8 @@ import torch
 from ._devices import copied
 from ._stream import Member, Outgoing, dtype_name
 from ._tasks import (_HALVES, BadInput, _check_same, _describe, _meta, _phase, _raise_if_refused,
-                     _raise_other_kind, _release, exchange_headers, failed_before_sending, weighted_sum)
+                     _raise_other_kind, _release, exchange_headers, failed_before_sending, rounded_into_range,
+                     weighted_sum)
 from ._waits import Partial, Recv
 from .timeline import _recorder as tl
 
@@ -309,19 +310,19 @@ def pair_gossip(eng, op, x, target, self_weight, pair_weight):
         _release(entries)
 
 
-def _machine_sum(eng, op, x, local_ranks):
+def _machine_sum(eng, op, x, local_ranks, weighted):
     """The sum of x over the agents of this machine, added in rank order so that
     every local agent gets bitwise the same value: in float32 for 16-bit floats (as
-    allreduce adds them), in int64 for integers (exact; cast back to a narrower
-    dtype it wraps around as allreduce's MPI sum does), in float64 for uint64
-    (hierarchical_neighbor_allreduce only; allreduce refuses it)."""
+    allreduce adds them); for integers, in float64 if it is to be weighted
+    (hierarchical_neighbor_allreduce), else in int64 (exact; cast back to a narrower
+    dtype it wraps around as allreduce's MPI sum does; allreduce refuses uint64)."""
     key = (op.name, "local")
     peers = [r for r in local_ranks if r != eng.rank]
     tried = []
     try:
         yield from copied(op)
         with _phase(op.name, "ALLOCATE_OUTPUT"):
-            total = torch.empty(x.shape, dtype=_machine_sum_dtype(x))
+            total = torch.empty(x.shape, dtype=_machine_sum_dtype(x, weighted))
         with _phase(op.name, "COMMUNICATE"):
             _send_all(eng, op, key, x, [(r, None) for r in peers], tried)
             local = yield Recv([(r, key) for r in peers])
@@ -347,12 +348,15 @@ def _machine_sum(eng, op, x, local_ranks):
         _release(local)
 
 
-def _machine_sum_dtype(x):
+def _machine_sum_dtype(x, weighted):
     if x.dtype in _HALVES:
         return torch.float32
-    if x.dtype == getattr(torch, "uint64", None):     # (its values above 2**63 wrap in int64)
-        return torch.float64
-    return x.dtype if x.is_floating_point() or x.is_complex() else torch.int64
+    if x.is_floating_point() or x.is_complex():
+        return x.dtype
+    # integers: for a weighted average float64, the dtype it is weighted in (an int64 sum of
+    # int64 values near 2**62, or of uint64 ones above 2**63, wraps around); for allreduce's
+    # arithmetic int64
+    return torch.float64 if weighted else torch.int64
 
 
 def _weighted_dtype(x):
@@ -363,7 +367,7 @@ def _weighted_dtype(x):
 def local_allreduce(eng, op, x, local_ranks, average):
     """allreduce within the machine, with allreduce's arithmetic: an integer average
     is the floor of the int64 sum's quotient, a sum wraps in x's dtype."""
-    total = yield from _machine_sum(eng, op, x, local_ranks)
+    total = yield from _machine_sum(eng, op, x, local_ranks, weighted=False)
     if average:
         if x.is_floating_point() or x.is_complex():
             total.div_(len(local_ranks))
@@ -403,19 +407,17 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
         eng.forget_inputs([(src, k) for src in recv_from for k in (key, dtype_key)])
 
     try:
-        machine_sum = yield from _machine_sum(eng, op, x, local_ranks)
+        machine_sum = yield from _machine_sum(eng, op, x, local_ranks, weighted=True)
         with _phase(op.name, "ALLOCATE_OUTPUT"):     # the machine sum has one of its own
             acc = torch.empty(x.shape, dtype=_weighted_dtype(x))
         averaged = False
         if machine_sum.dtype != acc.dtype:
-            if acc.is_floating_point() and acc.element_size() == 2:
-                # a 16-bit float sum, added in float32: its machine average, rounded once, is
-                # what machines exchange and average in the tensor's dtype, as neighbor
-                # operations do (the sum itself overflows float16 past 65504 / agents per machine)
-                machine_sum = machine_sum.div_(len(local_ranks)).to(acc.dtype)
-                averaged = True
-            else:   # an integer sum goes as float64, the dtype it is weighted in
-                machine_sum = machine_sum.to(acc.dtype)
+            # a 16-bit float sum, added in float32: its machine average, rounded once, is
+            # what machines exchange and average in the tensor's dtype, as neighbor
+            # operations do (the sum itself overflows float16 past 65504 / agents per machine;
+            # an integer sum is float64 already, the dtype it is weighted in)
+            machine_sum = machine_sum.div_(len(local_ranks)).to(acc.dtype)
+            averaged = True
         with _phase(op.name, "COMMUNICATE"):
             _send_all(eng, op, key, machine_sum, send_plan, tried)
             machine_stage = True
@@ -449,6 +451,6 @@ def hierarchical_neighbor_allreduce(eng, op, x, local_ranks, self_weight, src_we
                           [(e.value, src_weights.get(e.src, 0.0)) for e in remote])
             if not averaged:
                 acc.div_(len(local_ranks))
-            return acc if acc.dtype == x.dtype else acc.round_().to(x.dtype)
+            return acc if acc.dtype == x.dtype else rounded_into_range(acc, x.dtype).to(x.dtype)
     finally:
         _release(entries)

@@ -9,6 +9,8 @@ collectives). Here: timeline sub-phases, those checks, the weighted average,
 and the header exchange of collectives with the notes of agents whose input
 was refused.
 """
+import math
+
 import torch
 
 from ._stalls import OpTimeout, mpi_collectives_end
@@ -129,7 +131,28 @@ def weighted_sum(out, x, self_weight, terms):
     for v, w in terms:
         if w != 0:
             acc.add_(v, alpha=w)     # (v is cast inside the kernel: no float64 copy of it)
-    return out.copy_(acc.round_())
+    return out.copy_(rounded_into_range(acc, out.dtype))
+
+
+def rounded_into_range(acc, dtype):
+    """acc (float64) rounded in place, for integer dtype: ValueError if a value lies
+    outside dtype's range (weights summing to more than 1, or negative ones: cast, it
+    would wrap around silently). A value past the largest float64 within the range
+    by less than float64's spacing there (the average of int64 values near 2**63,
+    which rounds to 2**63) is clamped to it."""
+    acc.round_()
+    if acc.numel():
+        info = torch.iinfo(dtype)
+        lo, hi = (v.item() for v in torch.aminmax(acc))
+        top = float(info.max)
+        if lo < info.min or hi > top:
+            raise ValueError(f"the weighted average ranges from {lo:.0f} to {hi:.0f}, which does not fit in "
+                             f"{dtype_name(dtype)} ({info.min} .. {info.max}): the weights (self_weight and the "
+                             "source weights) take it out of the dtype's range; use a wider dtype or weights that "
+                             "sum to at most 1")
+        if hi > info.max:       # (top is info.max rounded up: 2**63 for int64)
+            acc.clamp_(max=math.nextafter(top, 0.0))
+    return acc
 
 
 def _release(entries):

@@ -262,6 +262,17 @@ def _local_flag(is_hierarchical_local):
         return False, exc
 
 
+def _checked_or(enable_topo_check, default):
+    """enable_topo_check as a bool, or default if it is not True or False: a call refused
+    for it joins (or not) the topology check as its peers' default form does (taken by
+    its truth value, a 1 given where the default is False joined a check that no peer
+    made, and every agent waited)."""
+    try:
+        return _flag(enable_topo_check, "enable_topo_check")
+    except TypeError:
+        return default
+
+
 def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, name=None):
     name = _op_name(name, "ALLREDUCE")
     local, bad_flag = _local_flag(is_hierarchical_local)
@@ -425,7 +436,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
         sends, recvs, known = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
-            negotiate=bool(enable_topo_check) and dst_weights is not None,
+            negotiate=_checked_or(enable_topo_check, True) and dst_weights is not None,
             peers_known=known)) from exc
     return (name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic,
             _devices.delivery(tensor, False, name))
@@ -449,7 +460,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
     name = _op_name(name, "NEIGHBOR_ALLGATHER")
     st = state()
     dynamic = src_ranks is not None or dst_ranks is not None
-    check = bool(enable_topo_check) and dynamic
+    check = _checked_or(enable_topo_check, True) and dynamic
     try:
         _untainted(st, name)
         _flag(enable_topo_check, "enable_topo_check")
@@ -526,7 +537,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, neighb
         return _refuse("HIERARCHICAL_NEIGHBOR_ALLREDUCE", name, exc,
                        local + [(to_rank(m), k) for m in sends for k in _neighbor_tasks.machine_keys(name)],
                        local + [(to_rank(m), k) for m in recvs for k in _neighbor_tasks.machine_keys(name)],
-                       negotiate=bool(enable_topo_check) and dst_machine_weights is not None,
+                       negotiate=_checked_or(enable_topo_check, False) and dst_machine_weights is not None,
                        peers_known=known)
     plan = [(to_rank(m), w) for m, w in plan]
     srcw = {to_rank(m): w for m, w in srcw.items()}

@@ -19,6 +19,12 @@ def test_hierarchical_with_emulated_machines(n, per):
     run_agents(n, "ops_hierarchical.py", timeout=120, env={"BLUEFOG_RANKS_PER_MACHINE": str(per)})
 
 
+def test_integer_averages_at_the_ends_of_the_range_and_a_bad_topology_check_flag_on_one_agent():
+    """No wrapped machine sums or casts (int64 near 2**62 and 2**63, uint64 2**64 - 1); receiving
+    weights beyond an integer dtype raise; a refused enable_topo_check raises everywhere at once."""
+    run_agents(4, "ops_integer_ranges.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
+
+
 def test_uneven_emulated_machines_refuse_hierarchical_naming_the_layout():
     run_agents(3, "ops_uneven_machines.py", timeout=90, env={"BLUEFOG_RANKS_PER_MACHINE": "2"})
 
