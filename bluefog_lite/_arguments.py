@@ -90,10 +90,15 @@ _UNITS = {"agent": ("rank", "src_weights", "dst_weights", "this agent itself"),
           "machine": ("machine rank", "src_machine_weights", "dst_machine_weights", "this agent's own machine")}
 
 
-def _fits_scaled(t, weights, what):
+_SENDER_SCALES = ("the sender scales in the tensor's dtype): weight on the receiving side instead, or use a "
+                  "wider dtype")
+
+
+def _fits_scaled(t, weights, what, why=_SENDER_SCALES):
     """Raise ValueError if integer tensor t times one of weights (rounded to t's dtype,
     as a sender scales it: _neighbor_tasks.scaled) leaves t's range: the values would
-    wrap around (int8 100 * 2 arrived as 36)."""
+    wrap around (int8 100 * 2 arrived as 36). why: the end of the message, after "where
+    they would wrap around (": who scales, and what to do."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or not t.numel():
         return
     weights = [w for w in weights if w is not None and not 0.0 <= w <= 1.0]      # (those keep the values in)
@@ -106,9 +111,7 @@ def _fits_scaled(t, weights, what):
         if a < info.min or b > info.max:
             dtype = str(t.dtype).replace("torch.", "")
             raise ValueError(f"{what}: weight {w} takes this {dtype} tensor's values [{lo}, {hi}] to [{a}, {b}], "
-                             f"outside {dtype}'s range [{info.min}, {info.max}], where they would wrap around (the "
-                             "sender scales in the tensor's dtype): weight on the receiving side instead, or use a "
-                             "wider dtype")
+                             f"outside {dtype}'s range [{info.min}, {info.max}], where they would wrap around ({why}")
 
 
 def _rank(r, what, size, me=None, unit="agent", why_not_me="self is weighted with self_weight"):

@@ -521,16 +521,26 @@ def get(eng, op, win, src_weights, require_mutex, with_p, current=None):
         with _phase(op.name, "COMMUNICATE"):
             for src, w in sorted(src_weights.items()):
                 lay, i = win.layouts[src], win.in_index[src]
+                buffer = win.buffers[i]
+                # an integer window's copy is scaled once it is checked (in the buffer it
+                # would wrap around): fetched into a scratch tensor, the buffer left as it is
+                fetched = buffer if w == 1.0 or buffer.is_floating_point() or buffer.is_complex() \
+                    else torch.empty_like(buffer)
                 if win.nbytes:
-                    req = win.win.Rget([win.buffers[i].numpy(), win.mpi_type], src, target=lay.data)
+                    req = win.win.Rget([fetched.numpy(), win.mpi_type], src, target=lay.data)
                     yield from _wait_local(req, f"MPI_Rget from rank {src}")
+                if fetched is not buffer:
+                    _fits_scaled(fetched, [w], f"win_get of window {win.name!r} from rank {src}",
+                                 "win_get scales what it fetches in the window's dtype): fetch with weight 1 and "
+                                 "weigh it in win_update instead, or use a wider dtype")
+                    buffer.copy_(scaled(fetched, w))
                 if with_p:
                     pv = np.zeros(1)
                     win.win.Get([pv, MPI.DOUBLE], src, target=lay.exposed_p())
                     win.win.Flush(src)
                     win.p[1 + i] = pv[0] * w
-                if w != 1.0 and win.nbytes:
-                    scale_in_place(win.buffers[i], w)
+                if fetched is buffer and w != 1.0 and win.nbytes:
+                    scale_in_place(buffer, w)
             _reset_versions(win, [win.in_index[s] for s in sorted(src_weights)])
     finally:
         release(win, locked)
@@ -559,6 +569,12 @@ def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, 
                     out.copy_(weighted_sum(acc, acc, self_weight, terms))
                 else:
                     weighted_sum(out, x, self_weight, terms)
+            except ValueError as exc:     # (an integer window's sum out of its range)
+                give_back()
+                collect = self_weight == 1.0 and reset and all(w == 1.0 for w in nbr_weights.values())
+                raise ValueError(f"win_update{'_then_collect' if collect else ''} of window {win.name!r}: {exc}"
+                                 + ("; what the neighbors put or accumulated is kept (use a wider dtype)"
+                                    if collect else "")) from None
             except BaseException:
                 give_back()
                 raise

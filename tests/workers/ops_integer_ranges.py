@@ -8,7 +8,9 @@ agent; 4 agents as 2 machines of 2 (BLUEFOG_RANKS_PER_MACHINE=2).
   largest float64 below the bound now;
 - receiving weights that take the result out of the dtype (int8 100 with self_weight 2):
   a ValueError where it happens (it wrapped to -56), the name usable again; win_update of
-  an int8 window with such weights raises and leaves the window as it was;
+  an int8 window with such weights raises and leaves the window as it was, as does a
+  win_get whose weight scales the fetched copy out of the range (it wrapped in the buffer),
+  and a collect that does not fit says it is one;
 - enable_topo_check=1 on one agent where the default is False (hierarchical), =0 where it is
   True (dynamic neighbor_allreduce): refused on that agent, and the others raise at once
   (the first joined a topology check no other agent made: every agent waited for good)."""
@@ -71,6 +73,27 @@ same(bf.win_update("w.i8", self_weight=1.0, neighbor_weights={s: 0.0 for s in bf
      torch.full((4,), 100, dtype=torch.int8), "the window after the refused update")
 bf.barrier()
 bf.win_free("w.i8")
+# win_get scales what it fetches: beyond the range it raises, the buffer left as it was
+bf.win_create(w, "w.get", zero_init=True)
+bf.barrier()
+src0 = bf.in_neighbor_ranks()[0]
+raises(ValueError, "win_get of window 'w.get' from rank", bf.win_get, "w.get", src_weights={src0: 2.0})
+same(bf.win_update("w.get", self_weight=0.0, neighbor_weights={src0: 1.0}, clone=True),
+     torch.zeros(4, dtype=torch.int8), "the buffer after the refused win_get")
+bf.win_get("w.get", src_weights={src0: 0.5})
+same(bf.win_update("w.get", self_weight=0.0, neighbor_weights={src0: 1.0}, clone=True),
+     torch.full((4,), 50, dtype=torch.int8), "the buffer after win_get with weight 0.5")
+bf.barrier()
+bf.win_free("w.get")
+# a collect whose sum leaves the range names itself, and keeps the window and what arrived
+bf.win_create(w, "w.col", zero_init=True)
+bf.barrier()
+bf.win_accumulate(torch.full((4,), 50, dtype=torch.int8), "w.col")
+bf.barrier()
+raises(ValueError, "win_update_then_collect of window 'w.col'", bf.win_update_then_collect, "w.col")
+assert torch.equal(w, torch.full((4,), 100, dtype=torch.int8)), w
+bf.barrier()
+bf.win_free("w.col")
 
 # -- a bad enable_topo_check on one agent: every agent raises within seconds -----------------
 flag = 1 if r == n - 1 else False
