@@ -169,8 +169,14 @@ def neighbor_allreduce_fused(eng, lead, members, self_weight, src_weights, send_
         if any(p is None for p in parts):     # someone sent another shape or dtype
             return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
         with _phase(names, "COMPUTE_AVERAGE"):
-            weighted_sum(out, flat, self_weight,
-                         [(p, src_weights.get(src, 0.0)) for p, src in zip(parts, recv_from)])
+            try:
+                weighted_sum(out, flat, self_weight,
+                             [(p, src_weights.get(src, 0.0)) for p, src in zip(parts, recv_from)])
+                fits = True
+            except ValueError:      # (integers out of their range: each alone, so that only those fail)
+                fits = False
+        if not fits:
+            return _each_alone(ops, xs, entries, self_weight, src_weights, recv_from)
         for op, x, part in zip(ops, xs, out.split(sizes)):   # split: ~8x cheaper than slicing
             op.result = part if x.dim() == 1 else part.view(x.shape)
         return lead.result
@@ -214,8 +220,9 @@ def _joined(entries, names, dtype, shapes, stats):
 
 
 def _each_alone(ops, xs, entries, self_weight, src_weights, recv_from):
-    """The fused group's fallback when some neighbor's data does not match: each
-    member is checked and averaged on its own, so only the mismatched ones fail."""
+    """The fused group's fallback when some neighbor's data does not match, or an
+    integer average does not fit in its dtype: each member is checked and averaged on
+    its own, so only the mismatched (out of range) ones fail."""
     k = len(ops)
     for i, (op, x) in enumerate(zip(ops, xs)):
         _alone(op, x, [entries[j * k + i] for j in range(len(recv_from))], self_weight, src_weights)

@@ -137,21 +137,23 @@ def weighted_sum(out, x, self_weight, terms):
 def rounded_into_range(acc, dtype):
     """acc (float64) rounded in place, for integer dtype: ValueError if a value lies
     outside dtype's range (weights summing to more than 1, or negative ones: cast, it
-    would wrap around silently). A value past the largest float64 within the range
-    by less than float64's spacing there (the average of int64 values near 2**63,
-    which rounds to 2**63) is clamped to it."""
+    would wrap around silently). Values past a bound by float64's rounding of weights
+    that sum to 1 (64 units in the last place: at the ends of int64 and uint64, where
+    float64 is coarser than the integers) are clamped to the bound (the largest
+    float64 within it)."""
     acc.round_()
     if acc.numel():
         info = torch.iinfo(dtype)
         lo, hi = (v.item() for v in torch.aminmax(acc))
-        top = float(info.max)
-        if lo < info.min or hi > top:
+        top, bottom = float(info.max), float(info.min)
+        slack = 2.0 ** -46 * max(top, -bottom)
+        if not (bottom - slack <= lo and hi <= top + slack):     # (a NaN fails it too)
             raise ValueError(f"the weighted average ranges from {lo:.0f} to {hi:.0f}, which does not fit in "
                              f"{dtype_name(dtype)} ({info.min} .. {info.max}): the weights (self_weight and the "
                              "source weights) take it out of the dtype's range; use a wider dtype or weights that "
                              "sum to at most 1")
-        if hi > info.max:       # (top is info.max rounded up: 2**63 for int64)
-            acc.clamp_(max=math.nextafter(top, 0.0))
+        if lo < bottom or hi > info.max:    # (top is info.max rounded up for 64 bits: 2**63 for int64)
+            acc.clamp_(min=bottom, max=top if top <= info.max else math.nextafter(top, 0.0))
     return acc
 
 

@@ -1022,19 +1022,14 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name, self._group_of[name])))
         for m in self._models:
             self._hooks.append(m.register_forward_pre_hook(_BeginRound(self)))
-        self._extra_of = (None, [])     # ([(each group's params list, its length)], _extra's list) as last found
 
     def _extra(self):
         """The optimizer's parameters outside the model, (param, group index): step()
         steps them locally, as the wrapped optimizer would (no communication, as in
-        AWC). Found again when its groups change (add_param_group on it, a group's
-        params list replaced, by as many others too)."""
-        lists = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
-        seen = self._extra_of[0]
-        if seen is None or len(seen) != len(lists) or any(a is not b or m != n for (a, m), (b, n) in zip(seen, lists)):
-            self._extra_of = (lists, [(p, i) for i, (params, _) in enumerate(lists) for p in params
-                                      if id(p) not in self._name_of])
-        return self._extra_of[1]
+        AWC). Found at each step, as the groups are then (add_param_group, a group's
+        params replaced or changed in place)."""
+        return [(p, i) for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
+                if id(p) not in self._name_of]
 
     def _grad_hook(self, name, group):
         def hook(p):

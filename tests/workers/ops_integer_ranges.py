@@ -5,9 +5,11 @@ agent; 4 agents as 2 machines of 2 (BLUEFOG_RANKS_PER_MACHINE=2).
   sum (2**63 and more) wrapped around in int64 and the average came back negative;
 - an average of int64 values within float64's spacing of 2**63 - 1, and of uint64 ones of
   2**64 - 1, rounds to 2**63 (2**64) in float64 and wrapped to the dtype's minimum (0): the
-  largest float64 below the bound now;
+  largest float64 below the bound now, also where float64 rounding of weights that sum to 1
+  takes them a little past it;
 - receiving weights that take the result out of the dtype (int8 100 with self_weight 2):
-  a ValueError where it happens (it wrapped to -56), the name usable again; win_update of
+  a ValueError where it happens (it wrapped to -56), the name usable again, in a fused group
+  for the member whose average does not fit only (every member failed); win_update of
   an int8 window with such weights raises and leaves the window as it was, as does a
   win_get whose weight scales the fetched copy out of the range (it wrapped in the buffer),
   and a collect that does not fit says it is one;
@@ -55,12 +57,30 @@ if hasattr(torch, "uint64"):
     same(bf.neighbor_allreduce(u, name="n.u64"), uc, "neighbor uint64 at the top")
     same(bf.hierarchical_neighbor_allreduce(u, name="h.u64"), uc, "hierarchical uint64 at the top")
 
+# weights that sum to 1 as decimals but to 1 + 2**-52 in float64 ((0.33 + 0.56) + 0.11) take the
+# ends of int64 past them by float64 rounding: clamped, not refused (it raised on some agents,
+# depending on the order of the terms)
+ins = sorted(bf.in_neighbor_ranks())
+ends = torch.tensor([2**63 - 1, -2**63], dtype=torch.int64)
+same(bf.neighbor_allreduce(ends, self_weight=0.33, src_weights={ins[0]: 0.56, ins[1]: 0.11}, name="n.ends"),
+     torch.tensor([2**63 - 1024, -2**63], dtype=torch.int64), "int64 ends with weights summing to 1 + 2**-52")
+
 # -- receiving weights beyond the range: an error, not a wrapped value ----------------------
 src = {s: 0.0 for s in bf.in_neighbor_ranks()}
 x8 = torch.full((3,), 100, dtype=torch.int8)
 raises(ValueError, "does not fit in int8 (-128 .. 127)", bf.neighbor_allreduce, x8, self_weight=2.0,
        src_weights=src, name="n.i8")
 same(bf.neighbor_allreduce(x8, name="n.i8"), x8, "the name after the error")
+# ... per call in a fused group: only the member whose average leaves the range fails
+eng = __import__("bluefog_lite._runtime", fromlist=["state"]).state().engine
+with eng._drive:            # (holding the loop: the five are admitted together, as one group)
+    hs = [bf.neighbor_allreduce_nonblocking(torch.full((3,), 100 if i == 2 else 10, dtype=torch.int8),
+                                            self_weight=2.0, src_weights=src, name=f"n.fused.{i}") for i in range(5)]
+for i, h in enumerate(hs):
+    if i == 2:
+        raises(ValueError, "from 200 to 200, which does not fit in int8", bf.synchronize, h)
+    else:
+        same(bf.synchronize(h), torch.full((3,), 20, dtype=torch.int8), f"fused member {i}")
 neg = torch.full((2,), 3, dtype=torch.uint8)
 raises(ValueError, "does not fit in uint8", bf.neighbor_allreduce, neg, self_weight=-1.0, src_weights=src,
        name="n.u8")

@@ -175,13 +175,17 @@ model = new_model(rank)
 e1, e2 = (torch.zeros(3, dtype=torch.float64, requires_grad=True) for _ in range(2))
 sgd = torch.optim.SGD([{"params": list(model[4].parameters())}, {"params": [e1]}], lr=1.0)
 atc = bf.DistributedAdaptThenCombineOptimizer(sgd, model)
-for extra in (e1, e2):
-    sgd.param_groups[1]["params"] = [extra]
+e3 = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+for extra in (e1, e2, e3):
+    if extra is e3:
+        sgd.param_groups[1]["params"][0] = e3       # (changed in place: the same list, as long)
+    else:
+        sgd.param_groups[1]["params"] = [extra]
     atc.zero_grad()
     loss_of(model, rank, 0).backward()
     extra.grad = torch.ones(3, dtype=torch.float64)
     atc.step()
-assert torch.equal(e1, -torch.ones(3, dtype=torch.float64)) and torch.equal(e2, e1), (e1, e2)
+assert all(torch.equal(e, -torch.ones(3, dtype=torch.float64)) for e in (e1, e2, e3)), (e1, e2, e3)
 atc.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
