@@ -30,11 +30,10 @@ _NO_STATUS_DIR = "-"
 _PR_SET_PDEATHSIG = 1   # prctl(2)
 _RELAYED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _RELAY_AS = {signal.SIGHUP: signal.SIGTERM}     # (Hydra's mpiexec dies of SIGHUP without passing it on)
-# Open MPI does not forward the environment to remote ranks: bfrun forwards what a
-# Python/PyTorch job needs to find the same interpreter and packages and to keep its
-# threading and device settings (names, and prefixes of names).
-_OPENMPI_FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES")
-_OPENMPI_FORWARDED_PREFIXES = ("BLUEFOG_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "TORCH_")
+# Open MPI does not forward the environment to remote ranks: bfrun names every variable
+# with -x (as Bluefog's bfrun and horovodrun do), but exported shell functions, the
+# shell's OLDPWD and names Open MPI cannot take.
+_OPENMPI_UNFORWARDED = re.compile(r"BASH_FUNC_.*|OLDPWD|.*[^A-Za-z0-9_].*|[0-9].*")
 _OPTIONS_WITH_VALUE = ("-np", "-n", "--num-proc", "-H", "--hosts", "--hostfile", "-hostfile", "--timeline-filename")
 _HYDRA_MARKERS = ("HYDRA", "MPICH", "Intel(R) MPI")
 _OPENMPI_MARKERS = ("Open MPI", "OpenRTE", "PRRTE", "prterun")
@@ -59,7 +58,9 @@ def find_launcher() -> Launcher:
 
     Order: ``$BLUEFOG_MPIEXEC`` if set (and then nothing else), else
     ``mpiexec`` next to ``sys.executable`` (where the ``mpich`` wheel puts it
-    in a virtual environment), else ``mpiexec`` then ``mpirun`` on ``PATH``.
+    in a virtual environment), else the installed ``mpich`` wheel's own (a
+    ``pip install --user`` puts it in ~/.local/bin), else ``mpiexec`` then
+    ``mpirun`` on ``PATH``.
     Raises :class:`LauncherNotFound` with a message saying what to install.
     """
     override = os.environ.get("BLUEFOG_MPIEXEC")
@@ -85,15 +86,30 @@ def default_mpiexec() -> Optional[str]:
     return None
 
 
-def _default_candidates() -> List[str]:
-    candidates = []
+def _default_candidates():
+    """The paths find_launcher tries, in order (found lazily: the first usually is it)."""
     if sys.executable:
-        candidates.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+        yield os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    wheel = _mpich_wheel_mpiexec()
+    if wheel:
+        yield wheel
     for name in ("mpiexec", "mpirun"):
         found = shutil.which(name)
         if found:
-            candidates.append(found)
-    return candidates
+            yield found
+
+
+def _mpich_wheel_mpiexec() -> Optional[str]:
+    """The mpiexec that the installed mpich wheel brought, or None."""
+    import importlib.metadata     # (only when the interpreter's own folder has none)
+    try:
+        files = importlib.metadata.distribution("mpich").files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "mpiexec" and len(f.parts) > 1 and f.parts[-2] == "bin":
+            return os.path.normpath(str(f.locate()))
+    return None
 
 
 def detect_flavor(path: str) -> str:
@@ -375,8 +391,8 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
     """Return the launcher command line that runs ``args.command`` on ``args.np`` ranks.
 
     ``environ`` (default ``os.environ``) is the environment the launcher will
-    get: Open MPI is told to forward its BLUEFOG_*, Python, thread-count and
-    device variables (_OPENMPI_FORWARDED_*). With MPICH every rank runs behind the rank guard unless
+    get: Open MPI is told to forward its variables (but _OPENMPI_UNFORWARDED ones)
+    and not to bind ranks. With MPICH every rank runs behind the rank guard unless
     ``args.rank_guard`` is false; ``status_dir`` is where the guards record a
     failing rank's exit code.
     """
@@ -384,7 +400,12 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
     extra_flags = shlex.split(args.extra_mpi_flags or "")
     dashed = args.command[0].startswith("-")     # (bfrun -np 2 -- -prog: the launcher must not read it)
     if launcher.flavor == "openmpi":
-        return _openmpi_options(args, launcher.path, environ) + extra_flags + ["--"] * dashed + args.command
+        # Open MPI binds each rank to a core (np <= 2) or a socket unless told otherwise: the
+        # communication thread and torch's threads would share it (Hydra does not bind)
+        unbound = [] if any(f.lstrip("-") in ("bind-to", "bind-to-core", "bind-to-socket") or
+                            f.startswith(("--bind-to=", "-bind-to=")) for f in extra_flags) else ["--bind-to", "none"]
+        return (_openmpi_options(args, launcher.path, environ) + unbound + extra_flags + ["--"] * dashed
+                + args.command)
     if launcher.flavor == "mpich":
         rank_command = list(args.command)
         if getattr(args, "rank_guard", True):
@@ -422,8 +443,7 @@ def _openmpi_options(args: argparse.Namespace, path: str,
     for name, value in set_env.items():
         options += ["-x", f"{name}={value}"]
     for name in sorted(environ):
-        forward = name.startswith(_OPENMPI_FORWARDED_PREFIXES) or name in _OPENMPI_FORWARDED_VARS
-        if forward and name not in set_env:
+        if name and name not in set_env and not _OPENMPI_UNFORWARDED.fullmatch(name):
             options += ["-x", name]
     return options
 

@@ -107,11 +107,11 @@ def test_a_program_that_starts_with_a_dash_runs_under_mpich(tmp_path):
 
 def test_openmpi_oversubscribes_and_adds_root_flag_only_as_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert _command(["-np", "4", "prog"], OPENMPI) == [
-        OPENMPI.path, "-np", "4", "--oversubscribe", "--allow-run-as-root", "prog"]
+    assert _command(["-np", "4", "prog"], OPENMPI, {}) == [
+        OPENMPI.path, "-np", "4", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "prog"]
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert _command(["-np", "4", "prog"], OPENMPI) == [
-        OPENMPI.path, "-np", "4", "--oversubscribe", "prog"]
+    assert _command(["-np", "4", "prog"], OPENMPI, {}) == [
+        OPENMPI.path, "-np", "4", "--oversubscribe", "--bind-to", "none", "prog"]
 
 
 def test_openmpi_hosts_hostfile_and_forwarded_environment(monkeypatch, tmp_path):
@@ -120,15 +120,19 @@ def test_openmpi_hosts_hostfile_and_forwarded_environment(monkeypatch, tmp_path)
     environ = {"BLUEFOG_FUSION_THRESHOLD": "0", "BLUEFOG_TIMELINE": "/old", "PATH": "/bin",
                "PYTHONPATH": "/src", "HOME": "/root", "OMP_NUM_THREADS": "1", "VIRTUAL_ENV": "/venv",
                "CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATHX": "x", "TERM": "xterm"}
+    environ.update({"BASH_FUNC_f%%": "() { :; }", "OLDPWD": "/", "A-B": "1", "1X": "1"})
     cmd = _command(["-np", "4", "-H", "a:2,b:2", "--timeline-filename", "tl",
-                    "--extra-mpi-flags", "--bind-to none", "prog"], OPENMPI, environ)
+                    "--extra-mpi-flags", "--bind-to core", "prog"], OPENMPI, environ)
+    # every variable (as Bluefog's bfrun and horovodrun), but shell functions, OLDPWD and
+    # names Open MPI cannot take; the user's binding instead of bfrun's
     assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "-H", "a:2,b:2",
                    "-x", f"BLUEFOG_TIMELINE={tmp_path / 'tl'}",
-                   "-x", "BLUEFOG_FUSION_THRESHOLD", "-x", "CUDA_VISIBLE_DEVICES", "-x", "OMP_NUM_THREADS",
-                   "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONPATHX", "-x", "PYTHONUNBUFFERED",
-                   "-x", "VIRTUAL_ENV", "--bind-to", "none", "prog"]
+                   "-x", "BLUEFOG_FUSION_THRESHOLD", "-x", "CUDA_VISIBLE_DEVICES", "-x", "HOME",
+                   "-x", "OMP_NUM_THREADS", "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONPATHX",
+                   "-x", "PYTHONUNBUFFERED", "-x", "TERM", "-x", "VIRTUAL_ENV", "--bind-to", "core", "prog"]
     cmd = _command(["-np", "4", "--hostfile", "hosts", "prog"], OPENMPI, {})
-    assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "--hostfile", "hosts", "prog"]
+    # unbound: Open MPI binds each rank to a core or a socket by default
+    assert cmd == [OPENMPI.path, "-np", "4", "--oversubscribe", "--hostfile", "hosts", "--bind-to", "none", "prog"]
 
 
 # --------------------------------------------------------------------------
@@ -322,6 +326,7 @@ def test_no_launcher_anywhere_gives_the_clear_error(monkeypatch, tmp_path, capsy
     monkeypatch.delenv("BLUEFOG_MPIEXEC", raising=False)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(run, "_mpich_wheel_mpiexec", lambda: None)    # (as without the wheel)
     _forbid_jobs(monkeypatch)
     assert run.main(["-np", "2", "prog"]) == 2
     assert ("no MPI launcher found: install the mpich wheel (pip install mpich) "
@@ -336,9 +341,23 @@ def test_launcher_next_to_the_interpreter_comes_before_path(monkeypatch, tmp_pat
     monkeypatch.delenv("BLUEFOG_MPIEXEC", raising=False)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "python"))
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setattr(run, "_mpich_wheel_mpiexec", lambda: None)
     assert run.find_launcher() == run.Launcher(mine, "mpich")
     os.remove(mine)
     assert run.find_launcher() == run.Launcher(str(tmp_path / "path" / "mpirun"), "openmpi")
+
+
+def test_the_mpich_wheels_own_launcher_comes_before_path(monkeypatch, tmp_path):
+    """A wheel installed with pip install --user has its mpiexec in ~/.local/bin, which may not be
+    on PATH (bfrun said to install the wheel), or may come after another MPI's (which won)."""
+    (tmp_path / "path").mkdir()
+    _fake_launcher(tmp_path / "path", "mpiexec", "mpirun (Open MPI) 4.1.2")
+    monkeypatch.delenv("BLUEFOG_MPIEXEC", raising=False)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "python"))     # (no mpiexec there)
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    wheel = run._mpich_wheel_mpiexec()      # this environment's: the mpich wheel is installed
+    assert wheel is not None and os.path.basename(wheel) == "mpiexec" and os.access(wheel, os.X_OK), wheel
+    assert run.find_launcher() == run.Launcher(wheel, "mpich")
 
 
 @pytest.mark.parametrize("text, flavor", [
