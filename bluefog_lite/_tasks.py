@@ -146,8 +146,8 @@ def rounded_into_range(acc, dtype):
         info = torch.iinfo(dtype)
         lo, hi = (v.item() for v in torch.aminmax(acc))
         top, bottom = float(info.max), float(info.min)
-        slack = 2.0 ** -46 * max(top, -bottom)
-        if not (bottom - slack <= lo and hi <= top + slack):     # (a NaN fails it too)
+        # (each end's own: float64 is exact at 0, the bottom of the unsigned dtypes)
+        if not (bottom * (1 + 2.0 ** -46) <= lo and hi <= top * (1 + 2.0 ** -46)):     # (a NaN fails it too)
             raise ValueError(f"the weighted average ranges from {lo:.0f} to {hi:.0f}, which does not fit in "
                              f"{dtype_name(dtype)} ({info.min} .. {info.max}): the weights (self_weight and the "
                              "source weights) take it out of the dtype's range; use a wider dtype or weights that "

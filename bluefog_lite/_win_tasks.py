@@ -519,28 +519,37 @@ def get(eng, op, win, src_weights, require_mutex, with_p, current=None):
     locked = yield from _locked(eng, op, win, sorted(src_weights), require_mutex)
     try:
         with _phase(op.name, "COMMUNICATE"):
+            # An integer window's copies scaled by a weight are fetched into scratch tensors and
+            # all checked before any buffer is written (scaled in a buffer, they would wrap
+            # around; one out of range leaves every buffer, p and version as they were)
+            scratch = not (win.dtype.is_floating_point or win.dtype.is_complex) and \
+                any(w != 1.0 for w in src_weights.values())
+            fetched = {}
             for src, w in sorted(src_weights.items()):
                 lay, i = win.layouts[src], win.in_index[src]
-                buffer = win.buffers[i]
-                # an integer window's copy is scaled once it is checked (in the buffer it
-                # would wrap around): fetched into a scratch tensor, the buffer left as it is
-                fetched = buffer if w == 1.0 or buffer.is_floating_point() or buffer.is_complex() \
-                    else torch.empty_like(buffer)
+                into = torch.empty_like(win.buffers[i]) if scratch else win.buffers[i]
                 if win.nbytes:
-                    req = win.win.Rget([fetched.numpy(), win.mpi_type], src, target=lay.data)
+                    req = win.win.Rget([into.numpy(), win.mpi_type], src, target=lay.data)
                     yield from _wait_local(req, f"MPI_Rget from rank {src}")
-                if fetched is not buffer:
-                    _fits_scaled(fetched, [w], f"win_get of window {win.name!r} from rank {src}",
-                                 "win_get scales what it fetches in the window's dtype): fetch with weight 1 and "
-                                 "weigh it in win_update instead, or use a wider dtype")
-                    buffer.copy_(scaled(fetched, w))
+                pv = None
                 if with_p:
                     pv = np.zeros(1)
                     win.win.Get([pv, MPI.DOUBLE], src, target=lay.exposed_p())
                     win.win.Flush(src)
+                fetched[src] = (into, pv)
+                if into is not win.buffers[i]:
+                    _fits_scaled(into, [w], f"win_get of window {win.name!r} from rank {src}",
+                                 "win_get scales what it fetches in the window's dtype): fetch with weight 1 and "
+                                 "weigh it in win_update instead, or use a wider dtype")
+            for src, w in sorted(src_weights.items()):
+                i = win.in_index[src]
+                into, pv = fetched[src]
+                if into is not win.buffers[i]:
+                    win.buffers[i].copy_(into if w == 1.0 else scaled(into, w))
+                elif w != 1.0 and win.nbytes:
+                    scale_in_place(into, w)
+                if pv is not None:
                     win.p[1 + i] = pv[0] * w
-                if fetched is buffer and w != 1.0 and win.nbytes:
-                    scale_in_place(buffer, w)
             _reset_versions(win, [win.in_index[s] for s in sorted(src_weights)])
     finally:
         release(win, locked)

@@ -56,11 +56,11 @@ class LauncherNotFound(RuntimeError):
 def find_launcher() -> Launcher:
     """Return the MPI launcher to use and its flavor.
 
-    Order: ``$BLUEFOG_MPIEXEC`` if set (and then nothing else), else
-    ``mpiexec`` next to ``sys.executable`` (where the ``mpich`` wheel puts it
-    in a virtual environment), else the installed ``mpich`` wheel's own (a
-    ``pip install --user`` puts it in ~/.local/bin), else ``mpiexec`` then
-    ``mpirun`` on ``PATH``.
+    Order: ``$BLUEFOG_MPIEXEC`` if set (and then nothing else), else the
+    installed ``mpich`` wheel's own (in a virtual environment next to
+    ``sys.executable``; a ``pip install --user`` puts it in ~/.local/bin), else
+    ``mpiexec`` next to ``sys.executable``, else ``mpiexec`` then ``mpirun`` on
+    ``PATH``.
     Raises :class:`LauncherNotFound` with a message saying what to install.
     """
     override = os.environ.get("BLUEFOG_MPIEXEC")
@@ -87,12 +87,12 @@ def default_mpiexec() -> Optional[str]:
 
 
 def _default_candidates():
-    """The paths find_launcher tries, in order (found lazily: the first usually is it)."""
-    if sys.executable:
-        yield os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    """The paths find_launcher tries, in order (found lazily)."""
     wheel = _mpich_wheel_mpiexec()
     if wheel:
         yield wheel
+    if sys.executable:
+        yield os.path.join(os.path.dirname(sys.executable), "mpiexec")
     for name in ("mpiexec", "mpirun"):
         found = shutil.which(name)
         if found:
@@ -101,10 +101,10 @@ def _default_candidates():
 
 def _mpich_wheel_mpiexec() -> Optional[str]:
     """The mpiexec that the installed mpich wheel brought, or None."""
-    import importlib.metadata     # (only when the interpreter's own folder has none)
+    import importlib.metadata     # (~1 ms: only bfrun and the launching helpers look)
     try:
         files = importlib.metadata.distribution("mpich").files or ()
-    except importlib.metadata.PackageNotFoundError:
+    except Exception:       # (not installed, or its metadata unreadable: look elsewhere)
         return None
     for f in files:
         if f.name == "mpiexec" and len(f.parts) > 1 and f.parts[-2] == "bin":
@@ -402,8 +402,7 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
     if launcher.flavor == "openmpi":
         # Open MPI binds each rank to a core (np <= 2) or a socket unless told otherwise: the
         # communication thread and torch's threads would share it (Hydra does not bind)
-        unbound = [] if any(f.lstrip("-") in ("bind-to", "bind-to-core", "bind-to-socket") or
-                            f.startswith(("--bind-to=", "-bind-to=")) for f in extra_flags) else ["--bind-to", "none"]
+        unbound = [] if _binds(extra_flags, environ) else ["--bind-to", "none"]
         return (_openmpi_options(args, launcher.path, environ) + unbound + extra_flags + ["--"] * dashed
                 + args.command)
     if launcher.flavor == "mpich":
@@ -415,6 +414,20 @@ def build_command(args: argparse.Namespace, launcher: Launcher,
             rank_command = ["env", "--", *rank_command]
         return _mpich_options(args, launcher.path) + extra_flags + rank_command
     raise ValueError(f"launcher flavor must be 'mpich' or 'openmpi', got {launcher.flavor!r}")
+
+
+_BINDING_FLAGS = ("bind-to", "bind-to-core", "bind-to-socket", "cpus-per-proc", "cpus-per-rank", "rankfile",
+                  "cpu-set", "cpu-list")
+_BINDING_VARS = ("OMPI_MCA_hwloc_base_binding_policy", "PRTE_MCA_hwloc_default_binding_policy")
+
+
+def _binds(extra_flags: List[str], environ: Mapping[str, str]) -> bool:
+    """The user chose Open MPI's binding (extra flags or its environment): bfrun adds none."""
+    for f in extra_flags:
+        name = f.lstrip("-").split("=", 1)[0]
+        if name in _BINDING_FLAGS or "pe=" in f.lower() or "binding_policy" in f:
+            return True
+    return any(environ.get(v) for v in _BINDING_VARS)
 
 
 def _mpich_options(args: argparse.Namespace, path: str) -> List[str]:

@@ -347,17 +347,36 @@ def test_launcher_next_to_the_interpreter_comes_before_path(monkeypatch, tmp_pat
     assert run.find_launcher() == run.Launcher(str(tmp_path / "path" / "mpirun"), "openmpi")
 
 
-def test_the_mpich_wheels_own_launcher_comes_before_path(monkeypatch, tmp_path):
+def test_the_mpich_wheels_own_launcher_comes_first(monkeypatch, tmp_path):
     """A wheel installed with pip install --user has its mpiexec in ~/.local/bin, which may not be
-    on PATH (bfrun said to install the wheel), or may come after another MPI's (which won)."""
-    (tmp_path / "path").mkdir()
-    _fake_launcher(tmp_path / "path", "mpiexec", "mpirun (Open MPI) 4.1.2")
+    on PATH (bfrun said to install the wheel), or may come after another MPI's, also one next to a
+    system interpreter (which won); unreadable metadata is passed over."""
+    for d in ("path", "usrbin"):
+        (tmp_path / d).mkdir()
+        _fake_launcher(tmp_path / d, "mpiexec", "mpirun (Open MPI) 4.1.2")
     monkeypatch.delenv("BLUEFOG_MPIEXEC", raising=False)
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "python"))     # (no mpiexec there)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "usrbin" / "python3"))
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
     wheel = run._mpich_wheel_mpiexec()      # this environment's: the mpich wheel is installed
     assert wheel is not None and os.path.basename(wheel) == "mpiexec" and os.access(wheel, os.X_OK), wheel
     assert run.find_launcher() == run.Launcher(wheel, "mpich")
+    import importlib.metadata
+
+    def unreadable(name):
+        raise ValueError("invalid literal for int() with base 10: '12x'")    # (a broken RECORD)
+    monkeypatch.setattr(importlib.metadata, "distribution", unreadable)
+    assert run._mpich_wheel_mpiexec() is None
+    assert run.find_launcher() == run.Launcher(str(tmp_path / "usrbin" / "mpiexec"), "openmpi")
+
+
+@pytest.mark.parametrize("flags, environ", [
+    ("--bind-to=core", {}), ("-bind-to core", {}), ("--map-by ppr:1:core:pe=2", {}), ("--cpus-per-proc 2", {}),
+    ("--rankfile rf", {}), ("--mca hwloc_base_binding_policy core", {}),
+    ("", {"OMPI_MCA_hwloc_base_binding_policy": "core"})])
+def test_openmpi_binding_chosen_by_the_user_is_left_alone(monkeypatch, flags, environ):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    cmd = _command(["-np", "2", "--extra-mpi-flags", flags, "prog"], OPENMPI, environ)
+    assert "none" not in cmd, cmd
 
 
 @pytest.mark.parametrize("text, flavor", [

@@ -36,3 +36,26 @@ def test_integers_are_summed_in_float64_and_rounded():
     v = torch.tensor([4, 4, 4, 2], dtype=torch.int32)
     y = weighted_sum(torch.empty_like(x), x, 0.5, [(v, 0.5)])
     np.testing.assert_array_equal(y.numpy(), np.round(0.5 * x.numpy() + 0.5 * v.numpy()).astype(np.int32))
+
+
+@pytest.mark.parametrize("dtype, values, self_weight, weights, want", [
+    # past an end by float64 rounding (int64's ends are 2**63 apart from their float64 neighbors
+    # by 1024-2048): clamped to the end (the largest float64 within it at the top)
+    (torch.int64, [2**63 - 1, -2**63], 0.33, [0.56, 0.11], [2**63 - 1024, -2**63]),
+    (torch.int64, [2**62 + 4096], 0.5, [0.5], [2**62 + 4096]),
+    # out of the range by more: raised, at unsigned dtypes' exact bottom 0 too (a slack taken
+    # from uint64's top let -200000 through, clamped to 0)
+    (torch.uint64, [0], 1.5, [-0.5], None),
+    (torch.uint8, [0], 1.5, [-0.5], None),
+    (torch.int8, [100], 2.0, [0.0], None),
+    (torch.int64, [2**62], 2.5, [0.0], None),
+])
+def test_integer_results_at_and_beyond_the_ends_of_the_range(dtype, values, self_weight, weights, want):
+    x = torch.tensor(values, dtype=dtype)
+    other = min(100000, torch.iinfo(dtype).max)
+    terms = [(torch.tensor([other] * len(values), dtype=dtype) if w < 0 else x.clone(), w) for w in weights]
+    if want is None:
+        with pytest.raises(ValueError, match=r"which does not fit in u?int(8|64)"):
+            weighted_sum(torch.empty_like(x), x, self_weight, terms)
+    else:
+        assert weighted_sum(torch.empty_like(x), x, self_weight, terms).tolist() == want

@@ -100,6 +100,11 @@ src0 = bf.in_neighbor_ranks()[0]
 raises(ValueError, "win_get of window 'w.get' from rank", bf.win_get, "w.get", src_weights={src0: 2.0})
 same(bf.win_update("w.get", self_weight=0.0, neighbor_weights={src0: 1.0}, clone=True),
      torch.zeros(4, dtype=torch.int8), "the buffer after the refused win_get")
+# ... from several sources, one out of range: no buffer written (the first source's was)
+raises(ValueError, f"win_get of window 'w.get' from rank {ins[1]}", bf.win_get, "w.get",
+       src_weights={ins[0]: 1.0, ins[1]: 2.0})
+same(bf.win_update("w.get", self_weight=0.0, neighbor_weights={ins[0]: 1.0}, clone=True),
+     torch.zeros(4, dtype=torch.int8), "the first source's buffer after the refused win_get")
 bf.win_get("w.get", src_weights={src0: 0.5})
 same(bf.win_update("w.get", self_weight=0.0, neighbor_weights={src0: 1.0}, clone=True),
      torch.full((4,), 50, dtype=torch.int8), "the buffer after win_get with weight 0.5")
