@@ -566,6 +566,20 @@ def test_summary_names_an_agent_whose_file_records_fewer_calls(tmp_path, capsys)
             "files record (its file ended earlier") in out, out
 
 
+def test_summary_names_an_agent_whose_file_records_no_call(tmp_path, capsys):
+    """A file with metadata only, ended cleanly (its step window never opened): its agent is
+    in no ranking, and the note says so (it was left out without a word)."""
+    prefix = str(tmp_path / "tl_")
+    call = op_call("x", "NEIGHBOR_ALLREDUCE", (10000, 10900), (10050, 10850), (10100, 10800))
+    write_agent(prefix + "0.json", 0, 3, call)
+    write_agent(prefix + "1.json", 1, 3, [])
+    write_agent(prefix + "2.json", 2, 3, call)
+    code, out, _ = cli(["summary", prefix], capsys)
+    assert code == 0, out
+    assert "(ranked among the agents whose file records each call: not rank 1, whose file records none of them)" \
+        in out, out
+
+
 # ---- bad input -----------------------------------------------------------------------------
 
 def test_missing_files_are_a_clear_error(tmp_path, capsys):

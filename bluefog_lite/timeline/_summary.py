@@ -206,13 +206,17 @@ def format_summary(summary):
     partial = [f"rank {r}" for r in sorted(cut_ranks)]
     short = [f"rank {x['rank']} not in {x['calls_missing']}" for x in summary["stragglers"]["ranking"]
              if x.get("calls_missing") and x["rank"] not in cut_ranks]
-    if summary["stragglers"]["operations"] and (summary.get("skipped") or partial or short):
+    ranked = {x["rank"] for x in summary["stragglers"]["ranking"]}
+    # (a file that records no call at all: a step window that never opened on that agent)
+    silent = [f"rank {a['rank']}" for a in agents if a["rank"] not in ranked and a["rank"] not in cut_ranks]
+    if summary["stragglers"]["operations"] and (summary.get("skipped") or partial or short or silent):
         without = [f"not the agents of the {len(summary['skipped'])} skipped files"] if summary.get("skipped") else []
         cut = [", ".join(partial) + " only up to where its file was cut"] if partial else []
         fewer = [", ".join(short) + " calls that other agents' files record (its file ended earlier; had it "
                  "begun later, its calls were paired with the others' from the first, and misranked)"] if short else []
-        lines.append("(ranked among the agents whose file records each call: " + "; ".join(without + cut + fewer)
-                     + ")")
+        none = [f"not {', '.join(silent)}, whose file records none of them"] if silent else []
+        lines.append("(ranked among the agents whose file records each call: "
+                     + "; ".join(without + cut + fewer + none) + ")")
     return "\n".join(lines) + "\n"
 
 
