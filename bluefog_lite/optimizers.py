@@ -628,7 +628,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         thawed = [(n, p) for n, p in self._frozen if p.requires_grad and p.grad is not None]
         joined = [(n, p) for n, p in self._outside if p.grad is not None]
         if thawed or joined:        # (those the optimizer does not hold are not stepped: no harm)
-            held = self._held()
+            held = _held_ids(self.optimizer.param_groups)     # (as the groups are now: not cached)
             thawed = [(n, p) for n, p in thawed if id(p) in held]
             joined = [(n, p) for n, p in joined if id(p) in held]
         if thawed:
@@ -644,11 +644,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if _registered[0] != self._registered_seen:
             return self._new_parameters()
         return None, ()
-
-    def _held(self):
-        """_held_ids of the wrapped optimizer as its groups are now (found at each use, not
-        cached: a group's params may be replaced by as many others)."""
-        return _held_ids(self.optimizer.param_groups)
 
     @staticmethod
     @contextlib.contextmanager

@@ -21,6 +21,7 @@ import time
 import torch
 
 import bluefog_lite as bf
+from bluefog_lite._runtime import state
 
 bf.init()
 r, n = bf.rank(), bf.size()
@@ -72,8 +73,7 @@ raises(ValueError, "does not fit in int8 (-128 .. 127)", bf.neighbor_allreduce, 
        src_weights=src, name="n.i8")
 same(bf.neighbor_allreduce(x8, name="n.i8"), x8, "the name after the error")
 # ... per call in a fused group: only the member whose average leaves the range fails
-eng = __import__("bluefog_lite._runtime", fromlist=["state"]).state().engine
-with eng._drive:            # (holding the loop: the five are admitted together, as one group)
+with state().engine._drive:            # (holding the loop: the five are admitted together, as one group)
     hs = [bf.neighbor_allreduce_nonblocking(torch.full((3,), 100 if i == 2 else 10, dtype=torch.int8),
                                             self_weight=2.0, src_weights=src, name=f"n.fused.{i}") for i in range(5)]
 for i, h in enumerate(hs):
