@@ -16,6 +16,7 @@ import torch
 import topology as _topo
 from topology import _validate as _topo_checks
 
+from . import _leftovers
 from ._departures import Departures
 from ._mpi import MPI
 
@@ -162,7 +163,7 @@ def init(topology_fn=None, is_weighted=False):
                       "results are undefined; leave mpi4py's thread level at its default ('multiple')",
                       RuntimeWarning, stacklevel=2)
     _every_agent_arrived(MPI.COMM_WORLD)
-    _unname_shared_memory()
+    _leftovers.remove_names()
     comm = MPI.COMM_WORLD.Dup()
     _state.rank, _state.size = comm.rank, comm.size
     # From here on an uncaught error on one agent (a bad topology_fn, a bad
@@ -246,30 +247,6 @@ def _every_agent_arrived(world):
     while not request.Test():
         time.sleep(delay)
         delay = min(2 * delay, 2e-3)
-
-
-_SEGMENT = "/dev/shm/mpich_shm_"
-
-
-def _unname_shared_memory():
-    """Remove the name of MPICH's shared-memory segment (``/dev/shm/mpich_shm_*``,
-    2-4 MB of RAM per host and job). MPICH removes it in MPI_Finalize only: a job
-    that ends any other way (an exception's MPI_Abort, a killed or departed agent,
-    SIGTERM) left it in /dev/shm for good (a test machine had gathered 1400 of them,
-    4.7 GB). Every agent of the host has mapped it once all have arrived in init();
-    the name is not used after that, and the memory lives on until the last agent
-    unmaps it. Only a segment this process maps is touched (none without MPICH)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(maxsplit=5)[5].rstrip("\n") for line in maps if _SEGMENT in line}
-    except OSError:      # (no /proc)
-        return
-    for path in paths:
-        if path.startswith(_SEGMENT) and not path.endswith(" (deleted)"):
-            try:
-                os.unlink(path)
-            except OSError:     # (another agent of the host was first)
-                pass
 
 
 def _initial_topology(topology_fn, is_weighted, comm):

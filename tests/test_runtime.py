@@ -154,15 +154,19 @@ def test_signal_handlers_mpi_finalize_and_fork_around_an_agent(mode):
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="MPICH keeps its segments in /dev/shm on Linux")
-def test_a_killed_job_leaves_no_shared_memory_segment():
-    """MPICH removes its segment's name only in MPI_Finalize; a job that ends another
-    way (here an agent killed with SIGKILL) left 2-4 MB of RAM in /dev/shm for good."""
-    rc, out = run_agents(2, "runtime_killed_segment.py", timeout=60, expect_ok=False)
+@pytest.mark.parametrize("end", ["kill", "raise"])
+def test_a_killed_job_leaves_no_shared_memory_segment_nor_hardware_description(end):
+    """MPICH removes its segment's name only in MPI_Finalize, and its process manager
+    the hardware description it wrote to /tmp only when the job ends cleanly; a job
+    that ends another way (here an agent killed with SIGKILL, or an uncaught exception's
+    MPI_Abort) left 2-4 MB of RAM in /dev/shm and a 5 KB file in /tmp for good."""
+    rc, out = run_agents(2, "runtime_killed_segment.py", end, timeout=60, expect_ok=False)
     assert rc != 0, out
-    lines = [line.split()[2:] for line in out.splitlines() if line.startswith("SEGMENTS ")]
-    paths = {p for line in lines for p in line}
-    assert len(lines) == 2 and paths, out      # (the pip MPICH maps one per host)
-    assert not [p for p in paths if os.path.exists(p)], (paths, out)
+    for what in ("SEGMENTS", "DESCRIPTIONS"):
+        lines = [line.split()[2:] for line in out.splitlines() if line.startswith(what + " ")]
+        paths = {p for line in lines for p in line}
+        assert len(lines) == 2 and paths, out      # (the pip MPICH has one of each per host)
+        assert not [p for p in paths if os.path.exists(p)], (paths, out)
 
 
 def test_init_waiting_for_a_late_agent_does_not_spin():
