@@ -129,7 +129,8 @@ def _rank(r, what, size, me=None, unit="agent", why_not_me="self is weighted wit
     return r
 
 
-def _weight_dict(d, what, size, me, unit="agent"):
+def _weight_dict(d, what, size, me, unit="agent", lists=True):
+    """{rank: weight} from a dict, or (lists) from a list of ranks, weight 1 each."""
     rank_in = f"{_UNITS[unit][0]} in {what}"
     if isinstance(d, dict):
         weights = {_rank(r, rank_in, size, me, unit): _weight(w, f"{what}[{r}]") for r, w in d.items()}
@@ -138,11 +139,15 @@ def _weight_dict(d, what, size, me, unit="agent"):
             twice = next(r for r in ranks if ranks.count(r) > 1)
             raise ValueError(f"{what} names rank {twice} twice")
         return weights
-    if isinstance(d, (list, tuple, set, range)):
+    if lists and isinstance(d, (list, tuple, set, range)):
         ranks = [_rank(r, rank_in, size, me, unit) for r in d]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"{what} lists a rank twice: {sorted(ranks)}")
         return {r: 1.0 for r in ranks}
+    if not lists:
+        raise TypeError(f"{what} must be a dict {{rank: weight}}, got {type(d).__name__}" + (
+            " (a list of ranks would give each weight 1, which is not an average: name the weights)"
+            if isinstance(d, (list, tuple, set, range)) else ""))
     raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks, got {type(d).__name__}")
 
 
@@ -212,7 +217,7 @@ def _static_or_given_weights(self_weight, src_weights, topo, size, me, kind, uni
         raise ValueError(f"{kind}: self_weight and {src} must be given together (or neither)")
     if self_weight is None:
         return topo.self_weight, dict(topo.src_weights)
-    return _weight(self_weight, "self_weight"), _weight_dict(src_weights, src, size, me, unit)
+    return _weight(self_weight, "self_weight"), _weight_dict(src_weights, src, size, me, unit, lists=False)
 
 
 def _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit="agent"):

@@ -260,6 +260,8 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("nar_unchecked", 3, "ValueError", "self_weight must be finite", [0]),
     ("nar_huge", 3, "ValueError", "self_weight must be finite, got a number beyond float's range", [0]),
     ("nar_numpy_ranks", 1, "TypeError", "dst_weights must be a dict", [2]),
+    ("nar_src_list", 1, "TypeError", "src_weights must be a dict {rank: weight}, got list (a list of ranks would "
+     "give each weight 1", [2, 3]),
     ("nar_int_wraps", 3, "ValueError", "would wrap around", [0]),
     ("nag_static", 0, "ValueError", "at least one dimension", [1, 2]),
     ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),

@@ -251,6 +251,10 @@ ONE_AGENT_NEIGHBOR = (
         enable_topo_check=False, name="one.np"),
      1, lambda: bf.neighbor_allreduce(X, **RING, enable_topo_check=False, name="one.np"),
      lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
+    ("one_agent.nar_src_list", lambda bad: bf.neighbor_allreduce(     # Bluefog refused it too
+        X, self_weight=0.5, src_weights=list(IN) if bad == RANK else {r: 0.25 for r in IN}, name="one.srclist"),
+     1, lambda: bf.neighbor_allreduce(X, self_weight=0.5, src_weights={r: 0.25 for r in IN}, name="one.srclist"),
+     lambda xs: 0.5 * xs[RANK] + 0.25 * sum(xs[r] for r in IN)),
     ("one_agent.nag_static", lambda bad: bf.neighbor_allgather(
         torch.ones(()) if bad == RANK else X, name="one.nag"),
      0, lambda: bf.neighbor_allgather(X, name="one.nag"), lambda xs: np.concatenate([xs[r] for r in IN])),
