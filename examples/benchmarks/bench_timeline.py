@@ -10,7 +10,8 @@ the timeline started with bf.timeline_start (writer thread running), the
 FORWARD/BACKWARD hooks installed, user activities per step. Off and on rounds
 alternate (in alternating order) so that drift of the machine's load affects
 both alike; each agent's ratio is its mean on-step time over its mean
-off-step time (every writer burst counted), in wall time and in the agent's
+off-step time (every writer burst counted, the last one's drain at the
+round's timeline_stop included), in wall time and in the agent's
 CPU time (all its threads), with the standard error of the per-pair ratios;
 the JSON holds the mean over agents of the ratios and of the step times.
 """
@@ -46,23 +47,36 @@ def train_step(model, opt, data, target):
     opt.step()
 
 
-def timed_round(model, opt, batches, steps):
+def timed_round(model, opt, batches, steps, finish=None):
     """(wall seconds, process CPU seconds) per step; CPU time counts every thread
-    of this agent (main, communication, timeline writer)."""
+    of this agent (main, communication, timeline writer). finish() runs inside the
+    timing, after the steps."""
     bf.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     for k in range(steps):
         train_step(model, opt, *batches[k % len(batches)])
+    if finish is not None:
+        finish()
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def recorded_round(model, opt, batches, steps, prefix):
+    """timed_round with the timeline on. Its stop is timed: it writes the events
+    still pending (up to a writer period's worth), which a long run writes while
+    it trains."""
     hooks = bf.timeline_install_hooks(model)
     bf.timeline_start(prefix)
-    try:
-        return timed_round(model, opt, batches, steps)
-    finally:
+    stopped = False
+
+    def stop():
+        nonlocal stopped
+        stopped = True
         bf.timeline_stop()
+    try:
+        return timed_round(model, opt, batches, steps, finish=stop)
+    finally:
+        if not stopped:
+            bf.timeline_stop()
         hooks.remove()
 
 
