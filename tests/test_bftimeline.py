@@ -925,3 +925,30 @@ def test_summary_lists_each_operations_communication_time(tmp_path, capsys):
     assert ops[1]["communicate_ms"] == pytest.approx(3 * 1.0) and ops[1]["mpi_ms"] == pytest.approx(3 * 3.0)
     table = out[out.index("operations by communication time"):].splitlines()
     assert table[2].split() == ["big", "2", "11.000", "13.000", "5.500"], table[:4]
+
+
+def test_summary_gives_unnamed_calls_of_a_kind_one_row(tmp_path, capsys):
+    """Calls without a name get one each (<kind>.noname.<n>): a loop of them made one row
+    per call, one call each, in the operations and straggler tables; they are one row
+    per kind."""
+    prefix = str(tmp_path / "tl_")
+    for r in range(2):
+        slices = []
+        for k in range(5):      # 5 unnamed neighbor_allreduce calls: MPI_ 3000 µs, COMMUNICATE 1000 + 1000 r
+            t = 50000.0 * (k + 1)
+            slices += op_call(f"neighbor_allreduce.noname.{k + 7}", "NEIGHBOR_ALLREDUCE", (t, t + 100),
+                              (t + 10, t + 3010), (t + 20, t + 1020 + 1000 * r))
+        t = 400000.0            # one unnamed allreduce, and a user's name that only looks alike
+        slices += op_call("allreduce.noname.0", "ALLREDUCE", (t, t + 4000), (t + 10, t + 3010), (t + 20, t + 2020))
+        slices += op_call("w.noname.x", "ALLREDUCE", (t + 5000, t + 6000), (t + 5010, t + 5510), (t + 5020, t + 5520))
+        write_agent(f"{prefix}{r}.json", r, 2, slices)
+    code, out, _ = cli(["summary", prefix, "--json", tmp_path / "s.json"], capsys)
+    assert code == 0
+    ops = load_json(tmp_path / "s.json")["operations"]
+    assert [(o["name"], o["calls"], o["agents"]) for o in ops] == [
+        ("neighbor_allreduce.noname.*", 5, 2), ("allreduce.noname.*", 1, 2), ("w.noname.x", 1, 2)]
+    assert ops[0]["communicate_ms"] == pytest.approx(5 * 1.5) and ops[0]["mpi_ms"] == pytest.approx(5 * 3.0)
+    assert "neighbor_allreduce.noname.*" in out and "noname.7" not in out
+    st = load_json(tmp_path / "s.json")["stragglers"]["operations"]
+    assert [(o["name"], o["calls"]) for o in st] == [("allreduce.noname.*", 1), ("neighbor_allreduce.noname.*", 5),
+                                                      ("w.noname.x", 1)]

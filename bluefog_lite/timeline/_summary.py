@@ -13,11 +13,13 @@ Operations: per operation name (a layer's parameter, a window...), the mean over
 the agents of its COMMUNICATE time and of its MPI_ time, and its calls, the
 longest COMMUNICATE first: where the communication time goes (several
 operations in flight at once each count their own time; MPI_ also holds the
-wait for a collective's turn behind the ones before it).
+wait for a collective's turn behind the ones before it). Unnamed calls, which
+get a new name each (<kind>.noname.<n>), are one row per kind, <kind>.noname.*.
 
-Stragglers: for the k-th call of each named two-sided operation, the agents'
+Stragglers: for the k-th call of each two-sided operation, the agents'
 ENQUEUE_ begins on rank 0's clock; the last one is that call's straggler, and
-it held the call up by its lead over the second-to-last agent. The ranking
+it held the call up by its lead over the second-to-last agent (unnamed calls:
+one row per kind here too). The ranking
 orders the agents by the time during which they held at least one call up
 (calls held up at once, e.g. every layer's of one step, count once), and gives
 the sum over calls too.
@@ -32,6 +34,7 @@ from ._agents import find_agents, refuse_as_output
 from ._exchanges import EXCHANGE_KINDS, AgentExchanges
 from ._reader import iter_events
 from ._slices import SliceReader
+from ._writer import GENERATED_NAME
 
 COMPUTE = ("FORWARD", "BACKWARD")
 PHASES = ("NEGOTIATION", "ALLOCATE_OUTPUT", "COMMUNICATE", "COMPUTE_AVERAGE", "MEMCPY_IN_FUSION_BUFFER",
@@ -57,7 +60,12 @@ def summarize(prefix, compute=(), allow_missing=False, output=None):
     for agent in found:
         row, arrivals[agent.rank], ops = _agent_summary(agent, compute)
         agents.append(row)
+        groups = collections.defaultdict(lambda: [0.0, 0.0, 0])
         for name, times in ops.items():
+            group = groups[_row_name(name)]
+            for i, t in enumerate(times):
+                group[i] += t
+        for name, times in groups.items():
             per_op[name].append(times)
     asked = [name for name in compute if name not in COMPUTE]
     return {"prefix": prefix, "agents": agents, "skipped": found.skipped, "compute": list(compute),
@@ -126,9 +134,15 @@ def _category(name, compute):
     return _OTHER
 
 
+def _row_name(name):
+    """The row of an operation in the tables: its name, or <kind>.noname.* for an
+    unnamed call (which has a name of its own: <kind>.noname.<n>)."""
+    return name.rsplit(".", 1)[0] + ".*" if GENERATED_NAME.fullmatch(name) else name
+
+
 def stragglers(arrivals):
     """Straggler ranking from {rank: {(op name, kind): ENQUEUE begins by occurrence}}."""
-    ops = []
+    rows = {}     # (row name, kind) -> [calls, times last, held up] (unnamed calls of a kind: one row)
     total_last = collections.Counter()
     total_held = collections.Counter()       # summed over calls
     held_spans = collections.defaultdict(lambda: (array("d"), array("d")))   # rank -> the spans it held calls up
@@ -156,9 +170,14 @@ def stragglers(arrivals):
             continue
         total_last.update(last)
         total_held.update(held)
-        ops.append({"name": key[0], "kind": key[1], "calls": calls,
-                    "last": [{"rank": r, "times": n, "held_up_ms": held[r] / 1000.0}
-                             for r, n in sorted(last.items(), key=lambda x: (-x[1], -held[x[0]], x[0]))]})
+        row = rows.setdefault((_row_name(key[0]), key[1]), [0, collections.Counter(), collections.Counter()])
+        row[0] += calls
+        row[1].update(last)
+        row[2].update(held)
+    ops = [{"name": name, "kind": kind, "calls": calls,
+            "last": [{"rank": r, "times": n, "held_up_ms": held[r] / 1000.0}
+                     for r, n in sorted(last.items(), key=lambda x: (-x[1], -held[x[0]], x[0]))]}
+           for (name, kind), (calls, last, held) in rows.items()]
     held_wall = {r: _intervals.length(_intervals.union(*spans)) for r, spans in held_spans.items()}
     ranking = [{"rank": r, "times_last": total_last[r], "calls": total_calls[r],
                 "held_up_ms": held_wall.get(r, 0.0) / 1000.0, "held_up_summed_ms": total_held[r] / 1000.0,
