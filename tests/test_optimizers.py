@@ -21,6 +21,12 @@ def test_sgd_wrappers_reach_centralized_solution(wrapper, comm):
     run_agents(4, "opt_linear.py", wrapper, comm, "sgd", timeout=120)
 
 
+def test_a_dropped_wrapper_and_its_model_are_freed():
+    """tests/workers/opt_dropped.py: ATC's and gradient allreduce's gradient hooks kept
+    every wrapper built and dropped alive, with its model, gradients and optimizer state."""
+    run_agents(2, "opt_dropped.py", timeout=90)
+
+
 @pytest.mark.parametrize("how", ["loop", "closure"])
 def test_win_put_optimizer_reaches_a_neighborhood(how):
     """Asynchronous, neighbor values up to 10 steps stale (a barrier every 10 steps keeps
