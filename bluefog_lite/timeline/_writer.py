@@ -194,7 +194,7 @@ class Writer:
         (<op>.noname.<n>, never used again), its track (and with its last track its
         pid) is dropped once _FINISHED_KEPT later such rows have finished (a call
         finishes two: its caller's and the communication thread's): kept, they
-        grew the writer's memory by ~1 KB per unnamed call; dropped at once, an event
+        grew the writer's memory by ~3 KB per unnamed call; dropped at once, an event
         that comes after the operation's end (the copy of a GPU result back to its
         device, recorded at synchronize) opened a second row of the same name."""
         if not GENERATED_NAME.fullmatch(name):
