@@ -197,12 +197,29 @@ class _BeginRound(CopiedInert):
             self.wrapper._pass_begins()
 
 
+class _Holds(CopiedInert):
+    """A model's forward pre-hook that does nothing but hold the wrapper, so that a
+    wrapper whose only other hooks are gradient hooks (_GradientHook, holding it
+    weakly) lives as long as its model, as every wrapper does: freed by Python's
+    garbage collector at its own time on each agent, its hooks would have gone on
+    communicating on some agents and not on others."""
+    __slots__ = ("wrapper",)
+    traceable = True    # (see hooks.keep_out_of_compiled_graphs)
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+
+    def __call__(self, module, inputs):
+        return None
+
+
 class _GradientHook:
     """A parameter's gradient hook: wrapper._on_gradient(p, *args) while the wrapper
     lives. Autograd keeps a tensor's hooks where Python's garbage collector does not
     look, so a hook holding the wrapper kept it alive after the program dropped it,
     with its model, gradients and optimizer state (~16 MB per wrapper of a 4 MB model
-    built and dropped in a loop)."""
+    built and dropped in a loop). The model's hooks hold the wrapper instead (ATC's
+    _BeginRound, gradient allreduce's _Holds): a cycle the collector sees."""
     __slots__ = ("wrapper", "args")
 
     def __init__(self, wrapper, *args):
@@ -1176,6 +1193,8 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                                   self._param_of)   # (frozen ones too: zeros, as in Bluefog)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(_GradientHook(self, name)))
+        for m in self._models:
+            self._hooks.append(m.register_forward_pre_hook(_Holds(self)))
 
     def synchronize(self):
         """Average every gradient not yet averaged and install the averages. After

@@ -23,7 +23,8 @@ def test_sgd_wrappers_reach_centralized_solution(wrapper, comm):
 
 def test_a_dropped_wrapper_and_its_model_are_freed():
     """tests/workers/opt_dropped.py: ATC's and gradient allreduce's gradient hooks kept
-    every wrapper built and dropped alive, with its model, gradients and optimizer state."""
+    every wrapper built and dropped alive, with its model, gradients and optimizer state;
+    one dropped while its model is kept lives as long as the model, on every agent."""
     run_agents(2, "opt_dropped.py", timeout=90)
 
 
