@@ -198,19 +198,26 @@ class _BeginRound(CopiedInert):
 
 
 class _Holds(CopiedInert):
-    """A model's forward pre-hook that does nothing but hold the wrapper, so that a
-    wrapper whose only other hooks are gradient hooks (_GradientHook, holding it
-    weakly) lives as long as its model, as every wrapper does: freed by Python's
-    garbage collector at its own time on each agent, its hooks would have gone on
-    communicating on some agents and not on others."""
-    __slots__ = ("wrapper",)
-    traceable = True    # (see hooks.keep_out_of_compiled_graphs)
+    """Held by each of a wrapper's parameters (an attribute of the parameter), it holds
+    the wrapper, so that a wrapper whose only hooks are gradient hooks (_GradientHook,
+    holding it weakly) lives as long as its parameters, as the other wrappers live as
+    long as their model: freed by Python's garbage collector at its own time on each
+    agent, its hooks would have gone on communicating on some agents and not on
+    others. (Not a module hook: torch.jit.script refuses a model with one.) A copied
+    or pickled parameter gets an _Inert in its place. remove() takes it off."""
+    __slots__ = ("wrapper", "params")
+    _ATTRIBUTE = "_bluefog_lite_wrapper"
 
-    def __init__(self, wrapper):
-        self.wrapper = wrapper
+    def __init__(self, wrapper, params):
+        self.wrapper, self.params = wrapper, params
+        for p in params:
+            setattr(p, self._ATTRIBUTE, self)
 
-    def __call__(self, module, inputs):
-        return None
+    def remove(self):
+        for p in self.params:
+            if getattr(p, self._ATTRIBUTE, None) is self:
+                delattr(p, self._ATTRIBUTE)
+        self.params = ()
 
 
 class _GradientHook:
@@ -218,8 +225,8 @@ class _GradientHook:
     lives. Autograd keeps a tensor's hooks where Python's garbage collector does not
     look, so a hook holding the wrapper kept it alive after the program dropped it,
     with its model, gradients and optimizer state (~16 MB per wrapper of a 4 MB model
-    built and dropped in a loop). The model's hooks hold the wrapper instead (ATC's
-    _BeginRound, gradient allreduce's _Holds): a cycle the collector sees."""
+    built and dropped in a loop). The model holds the wrapper instead (ATC's
+    _BeginRound hook, gradient allreduce's parameters' _Holds): a cycle the collector sees."""
     __slots__ = ("wrapper", "args")
 
     def __init__(self, wrapper, *args):
@@ -1193,8 +1200,7 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
                                   self._param_of)   # (frozen ones too: zeros, as in Bluefog)
         for name, p in self._named:
             self._hooks.append(p.register_post_accumulate_grad_hook(_GradientHook(self, name)))
-        for m in self._models:
-            self._hooks.append(m.register_forward_pre_hook(_Holds(self)))
+        self._hooks.append(_Holds(self, [p for _, p in self._named]))
 
     def synchronize(self):
         """Average every gradient not yet averaged and install the averages. After

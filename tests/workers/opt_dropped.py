@@ -62,6 +62,8 @@ for kind, make in WRAPPERS.items():
     if rank == 0:
         gc.collect()
     assert first() is not None, f"{kind}: a wrapper whose model is alive was freed"
+    if kind == "gar":
+        torch.jit.script(model)     # (no module hook holds it: TorchScript refuses models with those)
     try:
         wrapped(make, model)
     except ValueError as exc:
