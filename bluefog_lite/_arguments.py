@@ -139,16 +139,16 @@ def _weight_dict(d, what, size, me, unit="agent", lists=True):
             twice = next(r for r in ranks if ranks.count(r) > 1)
             raise ValueError(f"{what} names rank {twice} twice")
         return weights
-    if lists and isinstance(d, (list, tuple, set, range)):
+    if isinstance(d, (list, tuple, set, range)):
+        if not lists:
+            raise TypeError(f"{what} must be a dict {{rank: weight}}, got {type(d).__name__} (a list of ranks "
+                            "would give each weight 1, which is not an average: name the weights)")
         ranks = [_rank(r, rank_in, size, me, unit) for r in d]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"{what} lists a rank twice: {sorted(ranks)}")
         return {r: 1.0 for r in ranks}
-    if not lists:
-        raise TypeError(f"{what} must be a dict {{rank: weight}}, got {type(d).__name__}" + (
-            " (a list of ranks would give each weight 1, which is not an average: name the weights)"
-            if isinstance(d, (list, tuple, set, range)) else ""))
-    raise TypeError(f"{what} must be a dict {{rank: weight}} or a list of ranks, got {type(d).__name__}")
+    raise TypeError(f"{what} must be a dict {{rank: weight}}{' or a list of ranks' if lists else ''}, "
+                    f"got {type(d).__name__}")
 
 
 def _rank_list(ranks, what, size, me):

@@ -29,7 +29,7 @@ def _shared_memory_segments():
             paths = {line.split(maxsplit=5)[5].rstrip("\n") for line in maps if _SEGMENT in line}
     except OSError:      # (no /proc)
         return set()
-    return {p for p in paths if p.startswith(_SEGMENT) and not p.endswith(" (deleted)")}
+    return _still_named(paths, _SEGMENT)
 
 
 def _topology_files():
@@ -55,16 +55,19 @@ def _topology_files():
 
 
 def _open_files(pid, prefix):
-    found = set()
+    paths = set()
     try:
         descriptors = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return found
+        return paths
     for fd in descriptors:
         try:
-            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+            paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:     # (closed meanwhile)
-            continue
-        if path.startswith(prefix) and not path.endswith(" (deleted)"):
-            found.add(path)
-    return found
+            pass
+    return _still_named(paths, prefix)
+
+
+def _still_named(paths, prefix):
+    """Those of paths (as /proc shows them) under prefix whose name was not removed yet."""
+    return {p for p in paths if p.startswith(prefix) and not p.endswith(" (deleted)")}

@@ -70,17 +70,10 @@ def recorded_round(model, opt, batches, steps, prefix):
     agents)."""
     hooks = bf.timeline_install_hooks(model)
     bf.timeline_start(prefix)
-    stopped = False
-
-    def stop():
-        nonlocal stopped
-        stopped = True
-        bf.timeline_stop()
     try:
-        return timed_round(model, opt, batches, steps, finish=stop)
+        return timed_round(model, opt, batches, steps, finish=bf.timeline_stop)
     finally:
-        if not stopped:
-            bf.timeline_stop()
+        bf.timeline_stop()      # (after a round that raised; does nothing once stopped)
         hooks.remove()
 
 
