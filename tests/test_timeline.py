@@ -6,6 +6,7 @@ files structurally, the way a trace viewer reads them: per (pid, tid) every
 partially overlapping slices).
 """
 import json
+import math
 import os
 import signal
 import socket
@@ -60,9 +61,11 @@ class Trace:
         ends, n = [], 0
         for s in self.spans:
             if s[0] == tensor and s[1] == thread and s[2] == activity:
-                # equal to the nanosecond, the files' resolution (an end is ts + dur in floats:
-                # off by ~1e-5 us on a host up for a day)
-                n += not any(abs(s[3] - e) < 5e-4 for e in ends)
+                # equal to the nanosecond, the files' resolution, or to what floats resolve
+                # there (an end is ts + dur in floats: off by ~1e-5 us on a host up for a day,
+                # by more than a nanosecond after 51 days)
+                tol = max(5e-4, 4 * math.ulp(s[3]))
+                n += not any(abs(s[3] - e) < tol for e in ends)
                 ends.append(s[4])
         return n
 
@@ -221,7 +224,7 @@ def test_user_activities_and_cycle_markers(ops_traces):
 
 def test_a_user_activity_ends_itself_not_the_operation_beside_it(ops_traces):
     """Rank 0 opens PREPARE on an operation's row, starts the operation (its neighbors
-    call 0.3 s later) and ends PREPARE: PREPARE ends then, ENQUEUE_ (split around
+    call 1 s later) and ends PREPARE: PREPARE ends then, ENQUEUE_ (split around
     PREPARE's end, so that slices nest) ends when the operation does."""
     _, traces = ops_traces
     spans = [s for s in traces[0].spans if s[0] == "shared.row"]
@@ -229,8 +232,8 @@ def test_a_user_activity_ends_itself_not_the_operation_beside_it(ops_traces):
     enqueue = [s for s in spans if s[2] == "ENQUEUE_NEIGHBOR_ALLREDUCE"]
     mpi = [s for s in spans if s[2] == "MPI_NEIGHBOR_ALLREDUCE"]
     assert len(prepare) == 1 and len(mpi) == 1 and enqueue, spans
-    assert prepare[0][4] - prepare[0][3] < 100e3, prepare    # us: not until the operation's end
-    assert prepare[0][4] < mpi[0][4] - 100e3, (prepare, mpi)
+    assert prepare[0][4] - prepare[0][3] < 300e3, prepare    # us: not until the operation's end
+    assert prepare[0][4] < mpi[0][4] - 400e3, (prepare, mpi)
     assert max(s[4] for s in enqueue) >= mpi[0][4], (enqueue, mpi)
 
 
@@ -259,7 +262,8 @@ def test_str_subclass_names_make_one_row_each(ops_traces):
 def test_a_window_and_an_operation_sharing_a_name_end_their_own_spans(ops_traces):
     _, traces = ops_traces
     spans = {s[2]: s[4] - s[3] for s in traces[0].spans if s[0] == "both" and s[2].startswith("MPI_")}
-    assert spans["MPI_NEIGHBOR_ALLREDUCE"] > 200e3 and spans["MPI_WIN_PUT"] < 150e3, spans    # us
+    # (the others call the neighbor_allreduce 1 s after rank 0; margins for the agents' skew)
+    assert spans["MPI_NEIGHBOR_ALLREDUCE"] > 600e3 and spans["MPI_WIN_PUT"] < 400e3, spans    # us
 
 
 def test_forward_backward_share_the_row_of_the_parameter(ops_traces):
@@ -489,7 +493,7 @@ def test_forward_spans_tile_the_models_forward_pass():
                 raise RuntimeError("a forward that raises")
             return x
 
-    model = torch.nn.Sequential(Sleep(0.02), torch.nn.Linear(3, 4), Sleep(0.03), torch.nn.Linear(4, 2))
+    model = torch.nn.Sequential(Sleep(0.1), torch.nn.Linear(3, 4), Sleep(0.15), torch.nn.Linear(4, 2))
     raising = torch.nn.Sequential(torch.nn.Linear(2, 2), Sleep(0.01, fail=True))
     installed = [hooks.timeline_install_hooks(model), hooks.timeline_install_hooks(raising, prefix="r.")]
     rec, saved = _recorder.Recorder(), _recorder.current
@@ -500,7 +504,7 @@ def test_forward_spans_tile_the_models_forward_pass():
         model[3](torch.randn(2, 4))       # on its own
         with pytest.raises(RuntimeError, match="a forward that raises"):
             raising(torch.randn(2, 2))
-        time.sleep(0.05)
+        time.sleep(0.1)
         raising[0](torch.randn(2, 2))     # on its own, after its model's forward raised
     finally:
         _recorder.current = saved
@@ -512,11 +516,11 @@ def test_forward_spans_tile_the_models_forward_pass():
     after_raise = [span for name, span in spans if name == "r.0.weight"]
     assert len(first) == 2 and len(second) == 3 and len(after_raise) == 2, spans
     for k in range(2):
-        assert first[k][1] - first[k][0] >= 20e6, "the sleep before the first Linear is its FORWARD's"
+        assert first[k][1] - first[k][0] >= 100e6, "the sleep before the first Linear is its FORWARD's"
         assert second[k][0] == first[k][1], "the next FORWARD begins where the previous one ended"
-        assert second[k][1] - second[k][0] >= 30e6, "the sleep between the Linears is the second's FORWARD"
-    for alone in (second[2], after_raise[1]):
-        assert alone[1] - alone[0] < 20e6, f"called on its own: its own forward only ({(alone[1] - alone[0]) / 1e6} ms)"
+        assert second[k][1] - second[k][0] >= 150e6, "the sleep between the Linears is the second's FORWARD"
+    for alone in (second[2], after_raise[1]):       # (not a sleep of 100 ms or more; a loaded host's delays)
+        assert alone[1] - alone[0] < 60e6, f"called on its own: its own forward only ({(alone[1] - alone[0]) / 1e6} ms)"
 
 
 def test_a_wrappers_launch_is_not_in_the_next_forward_span():
@@ -531,7 +535,7 @@ def test_a_wrappers_launch_is_not_in_the_next_forward_span():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
 
     def slow_launch(module, args, output):       # as optimizers._AfterForward does
-        time.sleep(0.03)
+        time.sleep(0.1)
         hooks.launched()
     model[0].register_forward_hook(slow_launch)
     installed = hooks.timeline_install_hooks(model)
@@ -543,8 +547,8 @@ def test_a_wrappers_launch_is_not_in_the_next_forward_span():
         _recorder.current = saved
         installed.remove()
     span = {name: s for _, s, name, activity, _ in rec.events if activity == "FORWARD"}
-    assert span["1.weight"][0] - span["0.weight"][1] >= 30e6, span
-    assert span["1.weight"][1] - span["1.weight"][0] < 20e6, span
+    assert span["1.weight"][0] - span["0.weight"][1] >= 100e6, span
+    assert span["1.weight"][1] - span["1.weight"][0] < 60e6, span       # (without the launch's 100 ms)
 
 
 @pytest.mark.parametrize("mode", ["plain", "wrapped", "nested", "nested_wrapped", "around_wrapper", "after_raise",

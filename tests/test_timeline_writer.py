@@ -2,6 +2,7 @@
 agent): nesting repair, escaping, crash-safe partial files, environment validation."""
 import json
 import os
+import random
 import re
 import tempfile
 import threading
@@ -332,18 +333,19 @@ def test_a_timeline_context_entered_again_or_on_two_threads_ends_each_span():
             with span:         # the same object inside its own block
                 pass
             inner_end = time.perf_counter_ns()
-        gate_a, gate_b = threading.Event(), threading.Event()
+        gate_a, gate_b, a_done = threading.Event(), threading.Event(), threading.Event()
 
         def a():
             with span:
                 gate_b.set()
                 gate_a.wait(5)
+            a_done.set()
 
         def b():
             gate_b.wait(5)
             with span:
                 gate_a.set()
-                time.sleep(0.05)
+                a_done.wait(5)      # thread a's span ends first
         threads = [threading.Thread(target=f) for f in (a, b)]
         for t in threads:
             t.start()
@@ -359,7 +361,7 @@ def test_a_timeline_context_entered_again_or_on_two_threads_ends_each_span():
         by_thread.setdefault(tid, []).append((ph, t))
     assert len(by_thread) == 2 and all([p for p, _ in v] == ["S", "E"] for v in by_thread.values())
     (a_begin, a_end), (b_begin, b_end) = sorted((v[0][1], v[1][1]) for v in by_thread.values())
-    assert a_end < b_end - 30e6, "thread a's end was recorded on thread b's span"
+    assert a_end < b_end, "thread a's end was recorded on thread b's span"
 
 
 def test_a_thread_ident_reused_by_a_new_thread_gets_a_row_of_its_own(tmp_path):
@@ -402,6 +404,28 @@ def test_back_to_back_complete_spans_are_not_read_as_overlapping():
         assert [(s.name, s.parent) for s in read_spans(events)] == [("A", None), ("B", None)], (ts, dur)
 
 
+@pytest.mark.parametrize("days", [20, 51, 52, 60, 102, 150, 400])
+def test_back_to_back_complete_spans_read_back_on_a_host_up_for_days(days):
+    """Times written to the nanosecond, read as floats: past 2**42 us (51 days up) round(ts * 1000)
+    is 1 ns off for some times, past 2**43 us floats no longer tell nanoseconds apart. Pieces
+    of a span cut by the writer still read as back to back, not as overlapping; a real overlap
+    is found while floats resolve a nanosecond."""
+    def text(ns):
+        return f"{ns // 1000}.{ns % 1000:03d}"
+
+    rng = random.Random(days)
+    for _ in range(300):
+        a = days * 86_400 * 10**9 + rng.randrange(10**11)
+        d = rng.randrange(1, 10**7)
+        file = f'[{{"ph":"X","ts":{text(a)},"dur":{text(d)},"pid":1,"tid":1,"name":"A"}},' \
+               f'{{"ph":"X","ts":{text(a + d)},"dur":5.000,"pid":1,"tid":1,"name":"A"}}]'
+        assert [s.parent for s in read_spans(json.loads(file))] == [None, None], file
+        if days < 100:
+            overlap = file.replace(f'"ts":{text(a + d)}', f'"ts":{text(a + d - 1)}')
+            with pytest.raises(ValueError, match="overlap partially"):
+                read_spans(json.loads(overlap))
+
+
 def test_a_backlog_is_written_in_slices_as_it_is_formatted():
     """The spec's flush at least every 100 ms also holds for a burst of events: the
     writer writes each slice it formats (it formatted a whole backlog, seconds of
@@ -411,14 +435,20 @@ def test_a_backlog_is_written_in_slices_as_it_is_formatted():
     path = "/dev/shm" if os.path.isdir("/dev/shm") else None
     fd, name = tempfile.mkstemp(dir=path, suffix=".json")
     w = Writer(fd, name, rec, META, {})
-    header = os.path.getsize(name)
+    left = []           # events not formatted yet at each write of the writer's thread
+    real_write = w._write
+
+    def write_lines(lines):
+        if threading.current_thread() is w._thread:
+            left.append(len(rec.events))
+        return real_write(lines)
+    w._write = write_lines
     w.start()
     deadline = time.monotonic() + 20
-    while os.path.getsize(name) == header and time.monotonic() < deadline:
+    while not left and time.monotonic() < deadline:
         time.sleep(0.001)
-    left = len(rec.events)
     w.close(time.perf_counter_ns())
     events = read_events(name)
     os.unlink(name)
-    assert left > 100_000, f"only {left} events were left when the first lines were written"
+    assert left and left[0] > 100_000, f"only {left[:1]} events were left when the first lines were written"
     assert sum(e.get("ph") == "X" for e in events) == 300_000

@@ -3,6 +3,7 @@ array, and streamed one at a time for large files), metadata, and the spans of
 every (pid, tid) row with their nesting."""
 import collections
 import json
+import math
 import os
 import re
 
@@ -78,10 +79,11 @@ def read_spans(events, complete=True):
         stack = []
         # compared in whole nanoseconds, the files' resolution (ts + dur in floats
         # ends a hair after the next span's begin, more so the longer the host is up)
+        slack = _slack_ns(max(abs(s[1]) for s in row))
         for begin, end, name, b, e in sorted(row, key=lambda s: (s[3], -s[4])):
-            while stack and stack[-1][1] <= b:
+            while stack and stack[-1][1] <= b + slack:
                 stack.pop()
-            if stack and e > stack[-1][1]:
+            if stack and e > stack[-1][1] + slack:
                 raise ValueError(f"slices overlap partially on row {key}: {stack[-1][2]} and {(begin, end, name)}")
             spans.append(Span(key[0], key[1], name, begin, end, stack[-1][2] if stack else None))
             stack.append((b, e, name))
@@ -89,7 +91,23 @@ def read_spans(events, complete=True):
 
 
 def _ns(us):
-    return round(us * 1000)
+    """Whole nanoseconds of a time the writer wrote with three decimals, read back as a
+    float: the value whose text reads back as it (round(us * 1000) alone is 1 ns off for
+    some times once the clock passes 2**42 us, a host up 51 days)."""
+    n = round(us * 1000)
+    for c in (n, n - 1, n + 1):
+        a = abs(c)
+        if float(f"{'-' if c < 0 else ''}{a // 1000}.{a % 1000:03d}") == us:
+            return c
+    return n
+
+
+def _slack_ns(us):
+    """How many nanoseconds two times near ``us`` (float microseconds) may be off from
+    each other after reading: 0 while floats there resolve a nanosecond (up to 2**43 us,
+    ~101 days since the boot of the host), then twice the spacing of floats there."""
+    spacing = math.ulp(us) * 1000
+    return 0 if spacing < 1 else 2 * math.ceil(spacing)
 
 
 # ---- streaming (bftimeline): one event at a time, for files of hundreds of MB ----

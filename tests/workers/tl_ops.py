@@ -57,11 +57,11 @@ bf.win_put(x, np.str_("np.win"))
 bf.win_free("np.win")
 
 # a window and a neighbor operation of one name in flight together: rank 0's put
-# ends at once, its neighbor_allreduce when the others call it 0.3 s later; each
+# ends at once, its neighbor_allreduce when the others call it 1 s later; each
 # MPI_ span must end with its own operation
 bf.win_create(x, "both")
 if r:
-    time.sleep(0.3)
+    time.sleep(1.0)
 put = bf.win_put_nonblocking(x, "both")
 h = bf.neighbor_allreduce_nonblocking(x, name="both")
 bf.win_wait(put)
@@ -74,10 +74,10 @@ with bf.timeline_context("user", "EVALUATE") as on:
     assert on is True
 
 # a user activity on an operation's row, ended while the operation waits for its
-# neighbors (ranks 1.. start 0.3 s later): the end closes the activity, and the
+# neighbors (ranks 1.. start 1 s later): the end closes the activity, and the
 # operation's ENQUEUE_ still ends when the operation does
 if r:
-    time.sleep(0.3)
+    time.sleep(1.0)
 assert bf.timeline_start_activity("shared.row", "PREPARE") is True
 h = bf.neighbor_allreduce_nonblocking(x, name="shared.row")
 assert bf.timeline_end_activity("shared.row") is True
