@@ -52,11 +52,12 @@ def test_an_agent_is_not_leaving_while_its_own_operation_is_in_flight():
 
 @pytest.mark.parametrize("warning_s", ["60", "inf"])
 def test_an_agent_whose_operation_nobody_joins_leaves_at_once(warning_s):
-    start = time.monotonic()
     rc, out = run_agents(2, "leave_unjoined.py", timeout=60, expect_ok=False,
                          env={"BLUEFOG_STALL_WARNING_S": warning_s})
     assert rc != 0 and "rank 1: ALLREDUCE 'b' waits for rank 0, which has left the job" in out, out
-    assert time.monotonic() - start < 30, f"took {time.monotonic() - start:.0f} s:\n{out}"
+    # measured from rank 0's leaving (the agents' start-up can take 20 s on a loaded host)
+    left = float(re.search(r"rank 0 leaves at ([0-9.]+)", out)[1])
+    assert time.monotonic() - left < 20, f"took {time.monotonic() - left:.0f} s:\n{out}"
 
 
 def test_timing_variables_are_checked_and_inf_means_never(monkeypatch):

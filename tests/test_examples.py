@@ -107,7 +107,8 @@ def test_dynamic_consensus_of_one_agent_keeps_its_vector(tmp_path):
 
 def test_asynchronous_push_sum_keeps_the_mass_and_reaches_the_average(sequence):
     """Asynchronous (agents at different speeds): the accuracy of x/p varies from run
-    to run, 1e-9 .. 4e-5 relative in our short runs (it starts at about 1). What does
+    to run, 1e-9 .. 4e-5 relative in our short runs (it starts at about 1; bounded at
+    1e-2 here: an agent held up for a tenth of the ~0.3 s run mixes late). What does
     not vary: once every push has landed and been collected, the agents' x sum to the
     initial vectors' sum and their p to the number of agents (push-sum moves mass,
     it never creates or loses any)."""
@@ -120,7 +121,7 @@ def test_asynchronous_push_sum_keeps_the_mass_and_reaches_the_average(sequence):
     assert p.sum() == pytest.approx(AGENTS, rel=1e-12)
     average = x0.mean(axis=0)
     worst = max(np.linalg.norm(x[i] / p[i] - average) / np.linalg.norm(average) for i in range(AGENTS))
-    assert worst < 1e-3
+    assert worst < 1e-2
     printed = _final(sections["push_sum"], r"final relative distance of x/p to the average \(worst agent\): (\S+)")
     assert printed == pytest.approx(worst, rel=1e-2, abs=1e-12)
 

@@ -26,7 +26,7 @@ def test_stall_warning_of_an_operation_waiting_for_its_own_sends_counts_from_its
     warned = re.findall(r"rank 0\): NEIGHBOR_ALLREDUCE '(oneway\.\w+)' has waited ([\d.]+) s for "
                         r"the completion of its own sends \(ranks \[[\d, ]+\] have not taken them\)", out)
     assert sorted(name for name, _ in warned) == ["oneway.loop", "oneway.quick"], out
-    assert all(1.0 <= float(s) < 3.0 for _, s in warned), out     # (shown to 0.1 s)
+    assert all(1.0 <= float(s) < 4.5 for _, s in warned), out     # (shown to 0.1 s; rank 1 takes them at 4 s)
 
 
 class _Stalled:
@@ -93,11 +93,13 @@ def test_fatal_timeout_raises_on_waiting_agents():
 
 
 def test_uncaught_exception_on_one_agent_ends_the_job():
-    start = time.monotonic()
     rc, out = run_agents(4, "runtime_abort.py", timeout=60, expect_ok=False)
     assert rc != 0, out
     assert "deliberate failure on rank 2" in out and "UNREACHABLE" not in out
-    assert time.monotonic() - start < 30
+    # the job ended soon after the raise (measured from it: four agents' start-up alone
+    # can take 20 s on a loaded host)
+    raised = float(re.search(r"RAISING AT ([0-9.]+)", out)[1])
+    assert time.monotonic() - raised < 20, out
 
 
 def test_set_topology_checks_and_refusal():
@@ -119,7 +121,7 @@ def test_a_collective_given_up_by_some_agents_is_refused_by_the_others_and_seque
     next collective is refused naming them (before, it paired with the given-up call:
     barriers stopped waiting, set_topology left two topologies), and then barriers wait
     and set_topology agrees again (tests/workers/runtime_timeout_negotiation.py)."""
-    run_agents(4, "runtime_timeout_negotiation.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "2"})
+    run_agents(4, "runtime_timeout_negotiation.py", timeout=90, env={"BLUEFOG_OP_TIMEOUT_S": "3"})
 
 
 def test_a_neighbor_and_a_hierarchical_call_under_one_name_are_named_and_leave_no_stale_data():

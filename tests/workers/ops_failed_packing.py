@@ -115,10 +115,14 @@ def check_failure(what, got, receives_from_failing):
         assert got is None, (what, got)
 
 
-def case(what, call, receives_from_failing, reference, arm=ARMED):
+def case(what, call, receives_from_failing, reference, arm=ARMED, failing_first=False):
     """call() -> result; run it with the failure armed (arm[0] True) on rank 1 (an agent
     that does not receive from it gets the reference), then again (checked against the
-    reference)."""
+    reference). failing_first: rank 1 makes its call, and fails, before the others make
+    theirs (a blocking call is run by its caller only while the communication thread
+    sleeps: a neighbor's large tensor arriving first wakes it, and it takes the call)."""
+    if failing_first and rank != FAILING:
+        bf.barrier()
     arm[0] = True
     try:
         if receives_from_failing or rank == FAILING:
@@ -127,6 +131,8 @@ def case(what, call, receives_from_failing, reference, arm=ARMED):
             np.testing.assert_allclose(call().numpy(), reference, rtol=1e-5, atol=1e-5, err_msg=what + " (failing)")
     finally:
         arm[0] = False
+    if failing_first and rank == FAILING:
+        bf.barrier()
     bf.barrier()
     got = call()
     np.testing.assert_allclose(got.numpy(), reference, rtol=1e-5, atol=1e-5, err_msg=what)
@@ -146,15 +152,16 @@ for shape in [(5, 3), (1 << 20,)]:
              torch.from_numpy(data(rank, s, 1)), name=f"pk.nar.{s[0]}")),
          from_failing, mixed(shape, 1))
 
-# blocking ones, run by their caller (a small one and a large one)
+# blocking ones, run by their caller (a small one and a large one); the others' calls come
+# after rank 1 failed (its note waits for them) and send it data it drops
 for k, shape in enumerate([(5, 3), (1 << 17,)]):
     case(f"blocking neighbor_allreduce {shape}",
          lambda s=shape: bf.neighbor_allreduce(torch.from_numpy(data(rank, s, 6)), name=f"pk.q.{s[0]}"),
-         from_failing, mixed(shape, 6))
+         from_failing, mixed(shape, 6), failing_first=True)
     assert rank != FAILING or QUICK_FAILURES[0] == 2 * k + 1, "the caller did not run the call"
     case(f"blocking neighbor_allreduce {shape}, allocation",
          lambda s=shape: bf.neighbor_allreduce(torch.from_numpy(data(rank, s, 9)), name=f"pk.qa.{s[0]}"),
-         from_failing, mixed(shape, 9), ALLOC_ARMED)
+         from_failing, mixed(shape, 9), ALLOC_ARMED, failing_first=True)
     assert rank != FAILING or QUICK_FAILURES[0] == 2 * k + 2, "the caller did not run the call"
 
 case("after the sends", lambda: bf.synchronize(bf.neighbor_allreduce_nonblocking(

@@ -99,7 +99,7 @@ def runtime_calls(prefix):
 
 # ---- before init ---------------------------------------------------------------------
 
-os.write(1, f"STARTED {RANK} {time.time()}\n".encode())    # imports done
+os.write(1, f"STARTED {RANK} {time.monotonic()}\n".encode())    # imports done
 
 runtime_calls("before_init")
 attempt("init.topology_fn_wrong_size", bf.init, topology_fn=lambda n: topo.RingGraph(n + 1))

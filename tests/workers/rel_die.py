@@ -39,5 +39,5 @@ while True:
     if mode == "kill" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "exit" and rank == 2:
-        os.write(1, f"rank 2 calls sys.exit({sys.argv[2]}) after {i} iterations at {time.time()}\n".encode())
+        os.write(1, f"rank 2 calls sys.exit({sys.argv[2]}) after {i} iterations at {time.monotonic()}\n".encode())
         sys.exit(int(sys.argv[2]))

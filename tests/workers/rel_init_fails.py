@@ -8,7 +8,7 @@ import torch
 
 import bluefog_lite as bf
 
-os.write(1, f"INIT AT {time.time()}\n".encode())     # imports done: from here the job must end soon
+os.write(1, f"INIT AT {time.monotonic()}\n".encode())     # imports done: from here the job must end soon
 bf.init()
 os.write(1, f"PAST INIT {bf.rank()}\n".encode())
 bf.allreduce(torch.ones(2), name="after.init")

@@ -42,7 +42,7 @@ if case == "synchronize":
             got = bf.synchronize(h)
             print("INTERRUPTED", flush=True)
     else:
-        time.sleep(0.25)
+        time.sleep(0.4)     # (after the signal at 0.1 s with a margin, before the first wait's end)
         got = bf.neighbor_allreduce(x, name="x")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     bf.barrier()

@@ -40,18 +40,19 @@ def timed_out(fn, *args):
 
 
 # -- a barrier that ranks 2 and 3 never call ------------------------------------------------
-# (BLUEFOG_OP_TIMEOUT_S=2: ranks 0 and 1 give up at 2 s; 2 and 3 call their next collective at 3
-# s; 0 and 1 theirs at 4 s, once 2 and 3 are past the refused one, which returns at once)
+# (BLUEFOG_OP_TIMEOUT_S=3: ranks 0 and 1 give up at 3 s; 2 and 3 call their next collective at
+# 4.5 s; 0 and 1 theirs at 6 s, once 2 and 3 are past the refused one, which returns at once;
+# margins of 1.5 s, for a loaded host)
 if r in EARLY:
     timed_out(bf.barrier)
-    time.sleep(2)
-else:
     time.sleep(3)
+else:
+    time.sleep(4.5)
     refused(bf.barrier)             # the first collective after: it met their withdrawn barrier
 bf.barrier()
-for i in range(2):                  # barriers synchronize again: rank 0 is 1.5 s late to each
+for i in range(2):                  # barriers synchronize again: rank 0 is 2 s late to each
     if r == 0:
-        time.sleep(1.5)
+        time.sleep(2.0)
     t0 = time.monotonic()
     bf.barrier()
     waited = time.monotonic() - t0
@@ -60,9 +61,9 @@ for i in range(2):                  # barriers synchronize again: rank 0 is 1.5 
 # -- set_topology on some agents only ----------------------------------------------------------
 if r in EARLY:
     timed_out(bf.set_topology, topology.RingGraph(n))
-    time.sleep(2)
-else:
     time.sleep(3)
+else:
+    time.sleep(4.5)
     refused(bf.set_topology, topology.RingGraph(n))
 assert bf.set_topology(topology.RingGraph(n))       # every agent, made again: it pairs up
 assert sorted(bf.in_neighbor_ranks()) == sorted({(r - 1) % n, (r + 1) % n}), bf.in_neighbor_ranks()
@@ -73,9 +74,9 @@ assert torch.allclose(got, torch.full((3,), (r + (r - 1) % n + (r + 1) % n) / 3.
 # barrier ranks 0 and 1 gave up): nobody could have made its MPI call, so MPI collectives go on
 if r in EARLY:
     timed_out(bf.barrier)
-    time.sleep(2)
-else:
     time.sleep(3)
+else:
+    time.sleep(4.5)
     refused(lambda: bf.allreduce(torch.ones(2), name="refused.sum"))
 
 # -- MPI collectives still run (no MPI collective timed out)

@@ -30,15 +30,15 @@ assert TARGET in bf.in_neighbor_ranks() if rank == READER else True
 x = torch.full((N,), float(rank + 1), dtype=torch.float32)
 bf.win_create(x, "async", zero_init=True)
 bf.barrier()
-t_start = time.time()
+t_start = time.monotonic()
 timings = {}
 if rank == TARGET:
     a = np.random.default_rng(0).random((160, 160))
     done = [os.path.join(FOLDER, f"done.{r}") for r in (WRITER, READER)]
-    while time.time() - t_start < BUSY_S and not all(map(os.path.exists, done)):
+    while time.monotonic() - t_start < BUSY_S and not all(map(os.path.exists, done)):
         a = a @ a                                  # pure computation, no MPI, no bluefog
         a /= np.abs(a).max()
-    t_busy_end = time.time()
+    t_busy_end = time.monotonic()
     versions = bf.get_win_version("async")
     y = bf.win_update("async", self_weight=0.0, neighbor_weights={WRITER: 1.0}, clone=True)
     np.testing.assert_array_equal(y.numpy(), np.full(N, 3.0 * 7 + 2 * 3.0, np.float32))
@@ -47,24 +47,24 @@ if rank == TARGET:
 elif rank == WRITER:
     time.sleep(0.1)
     v = torch.full((N,), 7.0 * rank, dtype=torch.float32)
-    t0 = time.time()
+    t0 = time.monotonic()
     bf.win_put(v, "async", dst_weights={TARGET: 1.0})
-    timings["put"] = time.time() - t0
-    t0 = time.time()
+    timings["put"] = time.monotonic() - t0
+    t0 = time.monotonic()
     bf.win_accumulate(torch.full((N,), float(rank)), "async", dst_weights={TARGET: 1.0}, require_mutex=True)
-    timings["accumulate+mutex"] = time.time() - t0
-    t0 = time.time()
+    timings["accumulate+mutex"] = time.monotonic() - t0
+    t0 = time.monotonic()
     h = bf.win_accumulate_nonblocking(torch.full((N,), float(rank)), "async", dst_weights={TARGET: 1.0})
     bf.win_wait(h)
-    timings["accumulate nonblocking"] = time.time() - t0
-    timings["done"] = time.time()
+    timings["accumulate nonblocking"] = time.monotonic() - t0
+    timings["done"] = time.monotonic()
     open(os.path.join(FOLDER, f"done.{rank}"), "w").close()
 elif rank == READER:
     time.sleep(0.1)
-    t0 = time.time()
+    t0 = time.monotonic()
     bf.win_get("async", src_weights={TARGET: 2.0}, require_mutex=True)
-    timings["get+mutex"] = time.time() - t0
-    timings["done"] = time.time()
+    timings["get+mutex"] = time.monotonic() - t0
+    timings["done"] = time.monotonic()
     open(os.path.join(FOLDER, f"done.{rank}"), "w").close()
     y = bf.win_update("async", self_weight=0.0, neighbor_weights={TARGET: 1.0}, clone=True)
     np.testing.assert_array_equal(y.numpy(), np.full(N, 2.0 * (TARGET + 1), np.float32))

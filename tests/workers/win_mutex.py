@@ -21,18 +21,18 @@ LEAVES = list(range(1, size))
 # -- (1) the holder keeps the others out for as long as it holds ---------------------------
 x = torch.zeros(16, dtype=torch.float64)
 bf.win_create(x, "m", zero_init=True)
-# Every agent runs on this host, so time.time() is one clock: a leaf must get the mutex
+# Every agent runs on this host, so time.monotonic() is one clock: a leaf must get the mutex
 # after rank 0 began to let it go, however the scheduler spaces the calls.
 HOLD_S = 0.5
 if rank == 0:
     with bf.win_mutex("m", for_self=True):
         bf.barrier()
         time.sleep(HOLD_S)
-        stamp = time.time()        # (before the release)
+        stamp = time.monotonic()        # (before the release)
 else:
     bf.barrier()
     with bf.win_mutex("m", ranks=[0]):
-        stamp = time.time()        # (after the acquisition)
+        stamp = time.monotonic()        # (after the acquisition)
 stamps = bf.allgather(torch.tensor([stamp], dtype=torch.float64), name="mutex.stamps").tolist()
 for r in LEAVES:
     assert stamps[r] > stamps[0], f"rank {r} got the mutex {stamps[0] - stamps[r]:.3f} s before rank 0 let go"

@@ -32,9 +32,9 @@ x = torch.from_numpy(initial(rank))
 bf.win_create(x, "pushsum", zero_init=True)
 share = 1.0 / (len(OUT) + 1)
 rng = np.random.default_rng(rank)
-deadline = float(bf.broadcast(torch.tensor([time.time() + RUN_S], dtype=torch.float64), 0)[0])
+deadline = float(bf.broadcast(torch.tensor([time.monotonic() + RUN_S], dtype=torch.float64), 0)[0])
 iterations = 0
-while time.time() < deadline:
+while time.monotonic() < deadline:
     time.sleep(rng.uniform(0, 1e-3 * (1 + rank % 3)))      # agents run at different speeds
     bf.win_accumulate(x, "pushsum", self_weight=share, dst_weights={d: share for d in OUT},
                       require_mutex=True)
