@@ -12,6 +12,7 @@ import os
 import threading
 
 import numpy as np
+import torch
 
 from . import _collective_tasks, _devices, _neighbor_tasks, _quick, _tasks
 from ._arguments import (_fits_scaled, _flag, _numeric, _ordered_ranks, _peers, _plan, _rank, _rank_list,
@@ -82,6 +83,13 @@ def _target(tensor, x):
     """The tensor an in-place form's task writes its result into: tensor itself, or
     for a tensor on an accelerator its host copy x (delivered to it at synchronize)."""
     return x if _devices.on_device(tensor) else tensor.detach()
+
+
+def _written(tensor):
+    """Count an in-place form's write in tensor's version (at the call, on the caller's
+    thread), as torch's in-place operations do: MPI writes its memory unseen, and a graph
+    that saved the old values would back-propagate with the new ones instead of refusing."""
+    torch.autograd.graph.increment_version(tensor)
 
 
 def _in_place(tensor, name):
@@ -229,6 +237,7 @@ def _local_allreduce(name, tensor, average, in_place):
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         if in_place:
             _writable(tensor, "allreduce_")
+            _written(tensor)
     except (TypeError, ValueError) as exc:
         peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("ALLREDUCE", name, exc, peers, peers)
@@ -305,6 +314,7 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
         avg = _flag(average, "average")
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
+        _written(tensor)
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
     return _collective("ALLREDUCE", name, prepare, _in_place(tensor, name))
 
@@ -334,6 +344,7 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
         x = _input(tensor, name)
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
+        _written(tensor)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
     return _collective("BROADCAST", name, prepare, _in_place(tensor, name))
 

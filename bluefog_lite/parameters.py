@@ -63,23 +63,32 @@ def _names(names, most=4):
 def _agreed(call, params, root_rank=None, keep=lambda p: True):
     """This agent's (name, tensor) pairs of params that keep() accepts, after checking
     with every agent (collective) that all pass the same names, shapes and dtypes and
-    a valid root_rank. Bad input on one agent raises on every agent, before any tensor
+    the same valid root_rank. Bad input on one agent raises on every agent, before any tensor
     is changed."""
     st = state()
 
     def validated():
-        if root_rank is not None:
-            _arguments._rank(root_rank, "root_rank", st.size)
-        items = [(n, p) for n, p in _named(params) if keep(p)]
+        root = None if root_rank is None else _arguments._rank(root_rank, "root_rank", st.size)
+        named = _named(params)
+        items = [(n, p) for n, p in named if keep(p)]
         for n, p in items:       # what the in-place operations would refuse, before any runs
             _arguments._dense(p, f"parameter {n!r}")
             _arguments._writable(p, f"{call}: parameter {n!r}")
-        return items, [(n, _tasks._meta(p)) for n, p in items]
+        # every entry compared, kept or not (a dtype kept on one agent only is named as such)
+        return items, (root, [(n, _tasks._meta(p)) for n, p in named])
     items, views = ops._negotiate(f"{call}.check", validated)
-    wrong = _difference(call, views)
+    wrong = _different_roots(call, [root for root, _ in views]) or _difference(call, [v for _, v in views])
     if wrong is not None:
         raise ValueError(wrong)
     return _distinct(items)
+
+
+def _different_roots(call, roots):
+    """None when every agent named the same root_rank, else what they named."""
+    if len(set(roots)) < 2:
+        return None
+    return (f"{call}: agents passed different root_rank ("
+            + ", ".join(f"rank {r}: {root}" for r, root in enumerate(roots)) + "); all must name the same agent")
 
 
 def _distinct(items):
@@ -138,15 +147,18 @@ def broadcast_optimizer_state(optimizer, root_rank):
             raise TypeError(f"broadcast_optimizer_state needs an optimizer, got {type(optimizer).__name__}")
         kind = type(getattr(optimizer, "optimizer", optimizer)).__name__   # a wrapper's inner one
         shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
-        return root, (kind, shapes, _pickled_state(optimizer) if st.rank == root else None)
+        return root, (root, kind, shapes, _pickled_state(optimizer) if st.rank == root else None)
     root, views = ops._negotiate("broadcast.optimizer_state", validated)
-    kinds = {r: kind for r, (kind, _, _) in enumerate(views)}
+    wrong = _different_roots("broadcast_optimizer_state", [r for r, _, _, _ in views])
+    if wrong is not None:
+        raise ValueError(wrong)
+    kinds = {r: kind for r, (_, kind, _, _) in enumerate(views)}
     if len(set(kinds.values())) > 1:
         raise ValueError("broadcast_optimizer_state: agents passed different optimizers ("
                          + ", ".join(f"rank {r}: {k}" for r, k in kinds.items()) + ")")
-    _same_parameters([shapes for _, shapes, _ in views])
+    _same_parameters([shapes for _, _, shapes, _ in views])
     if st.rank != root:
-        optimizer.load_state_dict(pickle.loads(views[root][2]))
+        optimizer.load_state_dict(pickle.loads(views[root][3]))
 
 
 def _pickled_state(optimizer):

@@ -131,6 +131,19 @@ np.testing.assert_array_equal(w.detach().numpy(), data(0))
 np.testing.assert_allclose(w.grad.numpy(), 2 * data(0))
 assert bf.synchronize(bf.allreduce_nonblocking_(w, name="ar_.param")) is w
 
+# an in-place form's write counts in the tensor's version as torch's in-place operations
+# do: a graph that saved the old values refuses its backward (it used the new values)
+for form, inplace in (("broadcast_", lambda t: bf.broadcast_(t, 0, name="bc_.saved")),
+                      ("allreduce_", lambda t: bf.allreduce_(t, average=False, name="ar_.saved"))):
+    w = torch.nn.Parameter(torch.from_numpy(data(rank)))
+    loss = (w * w).sum()        # saves w
+    inplace(w)
+    try:
+        loss.backward()
+        raise AssertionError(f"{form}: a backward used the values it wrote")
+    except RuntimeError as exc:
+        assert "modified by an inplace operation" in str(exc), exc
+
 rows = torch.full((rank + 1, 2), float(rank), dtype=torch.float32)
 g = bf.allgather(rows, name="ag")
 assert torch.equal(g, torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)]))

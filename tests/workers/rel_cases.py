@@ -303,6 +303,13 @@ attempt("params.optimizer_module", bf.broadcast_optimizer_state, MODEL, 0)
 UNSENDABLE = torch.optim.SGD(MODEL.parameters(), lr=0.1)
 UNSENDABLE.param_groups[0]["fn"] = lambda x: x      # the root's state cannot be pickled
 attempt("params.optimizer_unpicklable", bf.broadcast_optimizer_state, UNSENDABLE, 0)
+# agents naming different roots (each agent itself; rank 0 another): every agent kept its own
+# state or failed in pickle.loads
+attempt("params.optimizer_roots", bf.broadcast_optimizer_state, torch.optim.SGD(MODEL.parameters(), lr=0.1), RANK)
+attempt("params.roots", bf.broadcast_parameters, {"w": torch.ones(2)}, 1 if RANK == 0 else 0)
+# a dtype that allreduce_parameters leaves alone on one agent only: named as the difference
+attempt("params.dtype_skipped", bf.allreduce_parameters,
+        {"b": torch.ones(1, dtype=torch.bool) if RANK == 1 else torch.ones(1)})
 # a parameter the result cannot be written into (on one agent), checked before any is changed
 MINE = torch.full((2,), float(RANK))
 attempt("params.expanded", bf.allreduce_parameters,
