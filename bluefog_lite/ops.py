@@ -150,14 +150,15 @@ def _finish_all(items, finish):
 
 def _collective(kind, name, prepare, deliver=None):
     """Submit the collective whose task prepare() checks the arguments for and makes.
-    With bad input (prepare raises TypeError or ValueError) this agent still takes
-    part in the collective's negotiation, so that the other agents raise an error
-    naming it instead of waiting for it; it raises its own error (at synchronize,
-    as the others do)."""
+    With bad input (prepare raises TypeError or ValueError, or anything else: a user's
+    state_dict hook, a failed copy to the host) this agent still takes part in the
+    collective's negotiation, so that the other agents raise an error naming it
+    instead of waiting for it; it raises its own error (at synchronize, as the
+    others do)."""
     state()
     try:
         make_task = prepare()
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         error = exc     # (exc itself is unbound when the except clause ends)
         return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, error))
     return _submit(kind, name, make_task, deliver=deliver)
@@ -370,9 +371,9 @@ def allgather(tensor, name=None):
 
 def _negotiate(name, validated):
     """validated() -> (value, obj): this agent's value, and every agent's obj (in rank
-    order) exchanged under name (collective). If validated() raises TypeError or
-    ValueError, this agent still joins the exchange (see _collective), so that every
-    agent raises instead of the others waiting for it. name: one of RESERVED_NAMES,
+    order) exchanged under name (collective). If validated() raises, this agent still
+    joins the exchange (see _collective), so that every agent raises instead of the
+    others waiting for it. name: one of RESERVED_NAMES,
     or None for a generated one."""
     if name is None:
         name = _op_name(None, "ALLGATHER")

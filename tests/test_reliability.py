@@ -312,6 +312,9 @@ def test_parameter_helpers_check_every_agents_parameters_first(cases):
            "state cannot be sent: param_groups[0]['fn'] cannot be pickled", ranks=[0])
     raised(cases, "params.optimizer_unpicklable", "ValueError", "failed on every agent because of bad input",
            "rank 0: TypeError", ranks=[1, 2, 3])
+    raised(cases, "params.optimizer_hook_fails", "RuntimeError", "hook failed", ranks=[0])
+    raised(cases, "params.optimizer_hook_fails", "ValueError", "failed on every agent",
+           "rank 0: RuntimeError: hook failed", ranks=[1, 2, 3])
     raised(cases, "params.optimizer_roots", "ValueError", "broadcast_optimizer_state: agents passed different "
            "root_rank (rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3); all must name the same agent")
     raised(cases, "params.roots", "ValueError", "broadcast_parameters: agents passed different root_rank "

@@ -303,6 +303,18 @@ attempt("params.optimizer_module", bf.broadcast_optimizer_state, MODEL, 0)
 UNSENDABLE = torch.optim.SGD(MODEL.parameters(), lr=0.1)
 UNSENDABLE.param_groups[0]["fn"] = lambda x: x      # the root's state cannot be pickled
 attempt("params.optimizer_unpicklable", bf.broadcast_optimizer_state, UNSENDABLE, 0)
+# the root's state_dict() raising something else than bad input's TypeError/ValueError (a
+# user's hook): the root raises it, the others name it (they waited for the root for good)
+FAILING_STATE = torch.optim.SGD(MODEL.parameters(), lr=0.1)
+
+
+def failing_hook(optimizer):
+    raise RuntimeError("hook failed")
+
+
+if RANK == 0:
+    FAILING_STATE.register_state_dict_pre_hook(failing_hook)
+attempt("params.optimizer_hook_fails", bf.broadcast_optimizer_state, FAILING_STATE, 0)
 # agents naming different roots (each agent itself; rank 0 another): every agent kept its own
 # state or failed in pickle.loads
 attempt("params.optimizer_roots", bf.broadcast_optimizer_state, torch.optim.SGD(MODEL.parameters(), lr=0.1), RANK)
