@@ -85,11 +85,14 @@ def _target(tensor, x):
     return x if _devices.on_device(tensor) else tensor.detach()
 
 
-def _written(tensor):
-    """Count an in-place form's write in tensor's version (at the call, on the caller's
-    thread), as torch's in-place operations do: MPI writes its memory unseen, and a graph
-    that saved the old values would back-propagate with the new ones instead of refusing."""
-    torch.autograd.graph.increment_version(tensor)
+def _written(tensor, handle):
+    """handle, once an in-place form's call is accepted: its write counted in tensor's
+    version (on the caller's thread), as torch's in-place operations do: MPI writes its
+    memory unseen, and a graph that saved the old values would back-propagate with the
+    new ones instead of refusing. (An inference tensor has no version.)"""
+    if not tensor.is_inference():
+        torch.autograd.graph.increment_version(tensor)
+    return handle
 
 
 def _in_place(tensor, name):
@@ -238,14 +241,14 @@ def _local_allreduce(name, tensor, average, in_place):
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         if in_place:
             _writable(tensor, "allreduce_")
-            _written(tensor)
     except (TypeError, ValueError) as exc:
         peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("ALLREDUCE", name, exc, peers, peers)
     if not in_place or _devices.on_device(tensor):     # (a device tensor's own copy is x: written at synchronize)
         deliver = _in_place(tensor, name) if in_place else _devices.delivery(tensor, False, name)
-        return _submit("ALLREDUCE", name, lambda e, op: _neighbor_tasks.local_allreduce(
+        h = _submit("ALLREDUCE", name, lambda e, op: _neighbor_tasks.local_allreduce(
             e, op, x, st.local_ranks, average), deliver=deliver)
+        return _written(tensor, h) if in_place else h
     target = tensor.detach()
 
     def task(e, op):
@@ -259,7 +262,7 @@ def _local_allreduce(name, tensor, average, in_place):
         if op.data_requests:
             yield Requests([r for r, _ in op.data_requests], "the sends of the input it overwrites")
         target.copy_(out)
-    return _submit("ALLREDUCE", name, task, deliver=_in_place(tensor, name))
+    return _written(tensor, _submit("ALLREDUCE", name, task, deliver=_in_place(tensor, name)))
 
 
 def _local_flag(is_hierarchical_local):
@@ -315,9 +318,11 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
         avg = _flag(average, "average")
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
-        _written(tensor)
+        accepted.append(True)
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
-    return _collective("ALLREDUCE", name, prepare, _in_place(tensor, name))
+    accepted = []
+    h = _collective("ALLREDUCE", name, prepare, _in_place(tensor, name))
+    return _written(tensor, h) if accepted else h
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -345,9 +350,11 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
         x = _input(tensor, name)
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
-        _written(tensor)
+        accepted.append(True)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
-    return _collective("BROADCAST", name, prepare, _in_place(tensor, name))
+    accepted = []
+    h = _collective("BROADCAST", name, prepare, _in_place(tensor, name))
+    return _written(tensor, h) if accepted else h
 
 
 def broadcast_(tensor, root_rank, name=None):

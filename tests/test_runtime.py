@@ -196,11 +196,11 @@ def test_a_busy_poll_loop_lets_the_communication_thread_run():
     run_agents(2, "runtime_poll_loop.py", timeout=90)
 
 
-def test_an_operation_interrupted_in_synchronize_stays_done():
+def test_an_operation_interrupted_in_synchronize_stays_done(tmp_path):
     """Ctrl-C caught around synchronize (tests/workers/runtime_interrupted.py): the
     operation is done, its handle synchronizes again, and nothing counts as in flight."""
-    _, out = run_agents(4, "runtime_interrupted.py", "synchronize", timeout=90)
-    assert "INTERRUPTED" in out, "the KeyboardInterrupt did not reach synchronize: the test tested nothing"
+    _, out = run_agents(4, "runtime_interrupted.py", "synchronize", str(tmp_path), timeout=90)
+    assert "INTERRUPTED DONE" in out, "the KeyboardInterrupt did not come after the wait: the test tested nothing"
 
 
 @pytest.mark.parametrize("caller_progress", ["1", "0"])

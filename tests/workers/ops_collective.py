@@ -134,7 +134,13 @@ assert bf.synchronize(bf.allreduce_nonblocking_(w, name="ar_.param")) is w
 # an in-place form's write counts in the tensor's version as torch's in-place operations
 # do: a graph that saved the old values refuses its backward (it used the new values)
 for form, inplace in (("broadcast_", lambda t: bf.broadcast_(t, 0, name="bc_.saved")),
-                      ("allreduce_", lambda t: bf.allreduce_(t, average=False, name="ar_.saved"))):
+                      ("allreduce_", lambda t: bf.allreduce_(t, average=False, name="ar_.saved")),
+                      ("broadcast_nonblocking_", lambda t: bf.synchronize(bf.broadcast_nonblocking_(
+                          t, 0, name="bc_.saved.nb"))),
+                      ("allreduce_nonblocking_", lambda t: bf.synchronize(bf.allreduce_nonblocking_(
+                          t, name="ar_.saved.nb"))),
+                      ("allreduce_ on the machine", lambda t: bf.allreduce_(
+                          t, is_hierarchical_local=True, name="ar_.saved.local"))):
     w = torch.nn.Parameter(torch.from_numpy(data(rank)))
     loss = (w * w).sum()        # saves w
     inplace(w)
@@ -143,6 +149,17 @@ for form, inplace in (("broadcast_", lambda t: bf.broadcast_(t, 0, name="bc_.sav
         raise AssertionError(f"{form}: a backward used the values it wrote")
     except RuntimeError as exc:
         assert "modified by an inplace operation" in str(exc), exc
+# a call refused (its name in flight) or with bad input changed nothing: no write counted
+h = bf.allreduce_nonblocking_(torch.from_numpy(data(rank)), name="ar_.busy")
+t = torch.from_numpy(data(rank))
+for refused in (lambda: bf.allreduce_(t, name="ar_.busy"), lambda: bf.broadcast_(t, size, name="bc_.bad_root")):
+    try:
+        refused()
+        raise AssertionError("accepted")
+    except ValueError:
+        pass
+assert t._version == 0, t._version
+bf.synchronize(h)
 
 rows = torch.full((rank + 1, 2), float(rank), dtype=torch.float32)
 g = bf.allgather(rows, name="ag")

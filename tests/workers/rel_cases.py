@@ -315,8 +315,8 @@ def failing_hook(optimizer):
 if RANK == 0:
     FAILING_STATE.register_state_dict_pre_hook(failing_hook)
 attempt("params.optimizer_hook_fails", bf.broadcast_optimizer_state, FAILING_STATE, 0)
-# agents naming different roots (each agent itself; rank 0 another): every agent kept its own
-# state or failed in pickle.loads
+# agents naming different roots (each agent itself; rank 0 another): raised on every agent (each
+# agent kept its own state, or failed in pickle.loads)
 attempt("params.optimizer_roots", bf.broadcast_optimizer_state, torch.optim.SGD(MODEL.parameters(), lr=0.1), RANK)
 attempt("params.roots", bf.broadcast_parameters, {"w": torch.ones(2)}, 1 if RANK == 0 else 0)
 # a dtype that allreduce_parameters leaves alone on one agent only: named as the difference

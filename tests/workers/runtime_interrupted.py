@@ -15,6 +15,7 @@ blocking: rank 0's blocking neighbor_allreduce is interrupted (SIGINT to its mai
     operation frees its name when it is done. (With BLUEFOG_CALLER_PROGRESS=1 the
     main thread runs the communication loop while it waits, on the quick path, and
     the signal lands in its sleep; with 0 it waits on a lock.)"""
+import os
 import signal
 import sys
 import threading
@@ -32,17 +33,25 @@ W = topology.mixing_matrix(bf.load_topology())
 x = torch.full((4,), float(rank), dtype=torch.float64)
 want = torch.full((4,), float(sum(W[k, rank] * k for k in range(size))), dtype=torch.float64)
 if case == "synchronize":
+    sent = os.path.join(sys.argv[2], "signal_sent")      # (a folder of the test's)
     if rank == 0:
         comm = next(t for t in threading.enumerate() if t.name == "bluefog-communication")
-        threading.Timer(0.1, lambda: signal.pthread_kill(comm.ident, signal.SIGINT)).start()
+
+        def interrupt():
+            signal.pthread_kill(comm.ident, signal.SIGINT)
+            open(sent, "w").close()
+        threading.Timer(0.1, interrupt).start()
         h = bf.neighbor_allreduce_nonblocking(x, name="x")
         try:
             got = bf.synchronize(h)     # (its first wait of 0.5 s ends with the others' data)
         except KeyboardInterrupt:
+            # raised once the wait returned with the operation done (the case this tests), not
+            # inside the wait loop of an operation still waiting for its data
+            print("INTERRUPTED", "DONE" if bf.poll(h) else "WAITING", flush=True)
             got = bf.synchronize(h)
-            print("INTERRUPTED", flush=True)
     else:
-        time.sleep(0.4)     # (after the signal at 0.1 s with a margin, before the first wait's end)
+        while not os.path.exists(sent):     # the others' data comes after the signal
+            time.sleep(0.005)
         got = bf.neighbor_allreduce(x, name="x")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     bf.barrier()
