@@ -151,20 +151,21 @@ def _finish_all(items, finish):
 
 # ---- collectives -------------------------------------------------------------------
 
-def _collective(kind, name, prepare, deliver=None):
+def _collective(kind, name, prepare, deliver=None, written=None):
     """Submit the collective whose task prepare() checks the arguments for and makes.
     With bad input (prepare raises TypeError or ValueError, or anything else: a user's
     state_dict hook, a failed copy to the host) this agent still takes part in the
     collective's negotiation, so that the other agents raise an error naming it
     instead of waiting for it; it raises its own error (at synchronize, as the
-    others do)."""
+    others do). written: the tensor an in-place form writes, once the call is accepted."""
     state()
     try:
         make_task = prepare()
     except Exception as exc:
         error = exc     # (exc itself is unbound when the except clause ends)
         return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, error))
-    return _submit(kind, name, make_task, deliver=deliver)
+    handle = _submit(kind, name, make_task, deliver=deliver)
+    return handle if written is None else _written(written, handle)
 
 
 def _untainted(st, name):
@@ -318,11 +319,8 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
         avg = _flag(average, "average")
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
-        accepted.append(True)
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
-    accepted = []
-    h = _collective("ALLREDUCE", name, prepare, _in_place(tensor, name))
-    return _written(tensor, h) if accepted else h
+    return _collective("ALLREDUCE", name, prepare, _in_place(tensor, name), written=tensor)
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -350,11 +348,8 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
         x = _input(tensor, name)
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
-        accepted.append(True)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
-    accepted = []
-    h = _collective("BROADCAST", name, prepare, _in_place(tensor, name))
-    return _written(tensor, h) if accepted else h
+    return _collective("BROADCAST", name, prepare, _in_place(tensor, name), written=tensor)
 
 
 def broadcast_(tensor, root_rank, name=None):

@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 from bluefog_lite.run import default_mpiexec
 
@@ -33,6 +34,16 @@ def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True, unta
         assert oks == nprocs, f"only {oks}/{nprocs} agents reported success:\n{out[-6000:]}"
         assert untaken_ok or UNTAKEN not in out, f"{script} on {nprocs} agents left data untaken:\n{out[-6000:]}"
     return code, out
+
+
+def seconds_since(pattern, out):
+    """Seconds from the latest time.monotonic() the agents printed with pattern (one group:
+    the time; one clock for every process of a host) until now. Jobs are timed from a point
+    the agents print, after their imports: on a loaded 2-core machine starting four Python
+    interpreters with torch alone can take 20 s."""
+    stamps = [float(t) for t in re.findall(pattern, out)]
+    assert stamps, f"no {pattern!r} in:\n{out[-3000:]}"
+    return time.monotonic() - max(stamps)
 
 
 def run_bounded(cmd, timeout, what, **popen_args):

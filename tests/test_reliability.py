@@ -24,7 +24,7 @@ import time
 import pytest
 
 from bluefog_lite.timeline._reader import metadata, read_events, read_spans
-from mpi_helpers import REPO, UNTAKEN, WORKERS, run_agents
+from mpi_helpers import REPO, UNTAKEN, WORKERS, run_agents, seconds_since
 
 N = 4
 JOB_LIMIT_S = 30.0
@@ -49,19 +49,10 @@ class Outcomes:
         return got
 
 
-def seconds_since(pattern, out, end):
-    """end minus the latest time.monotonic() the agents printed with pattern (one group: the time).
-    Jobs are timed from a point the agents print, after their imports: on a loaded
-    2-core machine starting four Python interpreters with torch alone can take 20 s."""
-    stamps = [float(t) for t in re.findall(pattern, out)]
-    assert stamps, f"no {pattern!r} in:\n{out[-3000:]}"
-    return end - max(stamps)
-
-
 @pytest.fixture(scope="module")
 def cases():
     _, out = run_agents(N, "rel_cases.py", timeout=180, env={"BLUEFOG_OP_TIMEOUT_S": "20"})
-    elapsed = seconds_since(r"STARTED \d+ ([\d.]+)", out, time.monotonic())
+    elapsed = seconds_since(r"STARTED \d+ ([\d.]+)", out)
     outcomes = Outcomes(out)
     assert outcomes.of("done") == {r: "OK" for r in range(N)}
     assert elapsed < JOB_LIMIT_S, f"the bad-input job took {elapsed:.1f} s"
@@ -630,7 +621,7 @@ def test_sys_exit_on_one_agent_while_others_wait_for_it_ends_the_job(window):
     # for its data: they must learn that it has started to shut down (it hung before)
     rc, out = run_agents(N, "rel_die.py", "exit", "3", timeout=180, expect_ok=False,
                          env={"REL_DIE_WINDOW": "1" if window else "0"})
-    elapsed = seconds_since(r"calls sys.exit\(3\) after \d+ iterations at ([\d.]+)", out, time.monotonic())
+    elapsed = seconds_since(r"calls sys.exit\(3\) after \d+ iterations at ([\d.]+)", out)
     assert rc != 0 and "rank 2 calls sys.exit(3)" in out, out[-3000:]
     # ranks 0 and 3 receive from rank 2 on the Exp-2 graph: they are the ones that can tell
     waiting = set(re.findall(r"rank (\d): NEIGHBOR_ALLREDUCE 'x' waits for rank 2, which has left the job", out))
@@ -647,7 +638,7 @@ def test_sys_exit_on_one_agent_while_others_wait_for_it_ends_the_job(window):
 def test_bad_timeline_prefix_fails_init_everywhere_before_any_work(where, words, tmp_path):
     prefix = str(tmp_path / "no" / "such" / "dir" / "tl_") if where == "missing" else "/sys/bluefog_tl_"
     rc, out = run_agents(N, "rel_init_fails.py", timeout=180, expect_ok=False, env={"BLUEFOG_TIMELINE": prefix})
-    elapsed = seconds_since(r"INIT AT ([\d.]+)", out, time.monotonic())
+    elapsed = seconds_since(r"INIT AT ([\d.]+)", out)
     assert rc != 0 and "PAST INIT" not in out, out[-3000:]
     for r in range(N):
         assert f"ValueError: timeline: cannot write '{prefix}{r}.json'" in out, (r, out[-3000:])
