@@ -187,7 +187,8 @@ class _Refused(Exception):
 
 def _refuse(kind, name, exc, tell=(), forget=(), negotiate=False, peers_known=True):
     """The handle of the op of an agent whose arguments to a neighbor operation were
-    rejected with exc (TypeError or ValueError). The op raises exc, but first the
+    rejected with exc (bad input, or anything else its checks raised: a tensor
+    subclass's or a device's error while reading it). The op raises exc, but first the
     agents that would wait for this agent learn why and raise too: each (rank, key) of
     tell gets a note instead of the data; the inputs this agent would have received,
     forget, are dropped when they come (they must not feed its next call of the name).
@@ -227,7 +228,7 @@ def refusal_without_peers(self_weight, src_weights, dst_weights, enable_topo_che
         return None
     try:
         _plan(self_weight, src_weights, dst_weights, topo, size, me, kind, unit)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         return exc
     return ValueError(f"{kind}: the ranks of the weights {src_weights!r} and {dst_weights!r} cannot be read")
 
@@ -242,7 +243,7 @@ def _local_allreduce(name, tensor, average, in_place):
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         if in_place:
             _writable(tensor, "allreduce_")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         peers = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
         return _refuse("ALLREDUCE", name, exc, peers, peers)
     if not in_place or _devices.on_device(tensor):     # (a device tensor's own copy is x: written at synchronize)
@@ -446,7 +447,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
             # a device tensor's host copy x may not have landed yet: its values are read on the device
             _fits_scaled(tensor.detach() if _devices.on_device(tensor) else x, [scale for _, scale in plan],
                          "neighbor_allreduce: dst_weights")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         sends, recvs, known = _peers(st.topology, dst_weights is None, src_weights, dst_weights, st.size, st.rank)
         raise _Refused(_refuse(
             "NEIGHBOR_ALLREDUCE", name, exc, [(d, name) for d in sends], [(r, name) for r in recvs],
@@ -488,7 +489,7 @@ def neighbor_allgather_nonblocking(tensor, *, src_ranks=None, dst_ranks=None, en
         else:
             send_to = _rank_list(dst_ranks, "dst_ranks", st.size, st.rank)
             recv_from = _ordered_ranks(src_ranks, "src_ranks", st.size, st.rank)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         sends, recvs, known = _peers(st.topology, not dynamic, src_ranks, dst_ranks, st.size, st.rank)
         return _refuse("NEIGHBOR_ALLGATHER", name, exc, [(d, name) for d in sends],
                        [(r, name) for r in recvs], negotiate=check,
@@ -544,7 +545,7 @@ def hierarchical_neighbor_allreduce_nonblocking(tensor, self_weight=None, neighb
         sw, srcw, plan, recv_from, dynamic = _plan(
             self_weight, src_machine_weights, dst_machine_weights, st.machine_topology, st.machine_size,
             st.machine_rank, "hierarchical_neighbor_allreduce", unit="machine")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         sends, recvs, known = _peers(st.machine_topology, dst_machine_weights is None, src_machine_weights,
                                      dst_machine_weights, st.machine_size, st.machine_rank)
         local = [(r, (name, "local")) for r in st.local_ranks if r != st.rank]
@@ -585,7 +586,7 @@ def pair_gossip_nonblocking(tensor, target_rank, self_weight=None, pair_weight=N
             raise ValueError("pair_gossip: self_weight and pair_weight must be given together (or neither)")
         sw = 0.5 if self_weight is None else _weight(self_weight, "self_weight")
         pw = 0.5 if pair_weight is None else _weight(pair_weight, "pair_weight")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
         targets, known = _ranks_named([target_rank], st.size, st.rank)
         pair = [(r, name) for r in targets]
         return _refuse("PAIR_GOSSIP", name, exc, pair, pair, peers_known=known)

@@ -258,6 +258,10 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("gossip", 1, "TypeError", "cannot average bool tensors", [0]),
     ("local_allreduce", 2, "TypeError", "allreduce supports", [0, 1, 3]),
     ("local_allreduce_", 0, "ValueError", "elements share memory", [1, 2, 3]),
+    ("nar_unreadable", 1, "RuntimeError", "this tensor cannot be read", [2, 3]),
+    ("nag_unreadable", 0, "RuntimeError", "this tensor cannot be read", [1, 2]),
+    ("gossip_unreadable", 3, "RuntimeError", "this tensor cannot be read", [2]),
+    ("local_unreadable", 1, "RuntimeError", "this tensor cannot be read", [0, 2, 3]),
 ])
 def test_bad_neighbor_arguments_on_one_agent_fail_on_its_receivers(cases, case, bad, exc, words, receivers):
     """The agent raises its own error; the agents that receive from it raise one naming

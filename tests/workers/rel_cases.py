@@ -230,6 +230,17 @@ check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(d
 # raises its own error, the agents that receive from it raise naming it (they waited
 # before), and the next call of the name gets this round's data (nothing stale)
 RING = dict(self_weight=0.5, src_weights={(RANK - 1) % SIZE: 0.5}, dst_weights=[(RANK + 1) % SIZE])
+
+
+class Unreadable(torch.Tensor):
+    """A tensor whose every torch call raises RuntimeError (as a failed copy off a
+    device would): not bad input as such, but the checks of the call raise."""
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("this tensor cannot be read")
+
+
+UNREADABLE = torch.ones(3, 4).as_subclass(Unreadable)
 ONE_AGENT_NEIGHBOR = (
     ("one_agent.nar_static", lambda bad: bf.neighbor_allreduce(
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, name="one.nar"),
@@ -270,6 +281,17 @@ ONE_AGENT_NEIGHBOR = (
     ("one_agent.local_allreduce", lambda bad: bf.allreduce(
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, is_hierarchical_local=True, name="one.local"),
      2, lambda: bf.allreduce(X, is_hierarchical_local=True, name="one.local"), lambda xs: np.mean(xs, axis=0)),
+    # checks that raise something else (RuntimeError) tell the receivers too
+    ("one_agent.nar_unreadable", lambda bad: bf.neighbor_allreduce(UNREADABLE if bad == RANK else X, name="one.unr"),
+     1, lambda: bf.neighbor_allreduce(X, name="one.unr"), lambda xs: exp2_average(xs)),
+    ("one_agent.nag_unreadable", lambda bad: bf.neighbor_allgather(UNREADABLE if bad == RANK else X, name="one.nagu"),
+     0, lambda: bf.neighbor_allgather(X, name="one.nagu"), lambda xs: np.concatenate([xs[r] for r in IN])),
+    ("one_agent.gossip_unreadable", lambda bad: bf.pair_gossip(
+        UNREADABLE if bad == RANK else X, RANK ^ 1, name="one.gossipu"),
+     3, lambda: bf.pair_gossip(X, RANK ^ 1, name="one.gossipu"), lambda xs: 0.5 * xs[RANK] + 0.5 * xs[RANK ^ 1]),
+    ("one_agent.local_unreadable", lambda bad: bf.allreduce(
+        UNREADABLE if bad == RANK else X, is_hierarchical_local=True, name="one.localu"),
+     1, lambda: bf.allreduce(X, is_hierarchical_local=True, name="one.localu"), lambda xs: np.mean(xs, axis=0)),
     ("one_agent.local_allreduce_", lambda bad: bf.allreduce_(
         torch.ones(1, 1, dtype=X.dtype).expand(3, 4) if bad == RANK else X.clone(), is_hierarchical_local=True,
         name="one.local_"),
