@@ -191,7 +191,10 @@ def win_create(tensor, name, zero_init=False):
     global _poke_before
     st = state()
     eng = st.engine
-    problem = _create_problem(tensor, name, st, zero_init)
+    try:
+        problem = _create_problem(tensor, name, st, zero_init)
+    except Exception as exc:    # (a tensor that cannot be read: a subclass's or a device's error): told to all
+        problem = _win_tasks.failed_doing(exc, "checking the tensor")
     if problem is None:
         name = str.__str__(name)    # (a str subclass: see ops.check_name)
     win = meta = None

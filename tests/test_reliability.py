@@ -407,6 +407,11 @@ def test_win_create_twice_with_one_name(cases):
     # only rank 2 passed a taken name: every agent gets the error naming rank 2
     raised(cases, "window.create_twice_on_one_agent", "ValueError", "failed on every agent",
            "rank 2: a window named 'known' already exists")
+    # checks that raise something else on one agent (a tensor that cannot be read): every agent raises
+    # (before: that agent alone, while the others waited in win_create); no window is made
+    raised(cases, "window.create_unreadable_on_one_agent", "RuntimeError", "failed on every agent",
+           "rank 1: RuntimeError while checking the tensor: this tensor cannot be read")
+    assert cases.of("window.names_after_errors") == {r: "names known" for r in range(N)}
 
 
 def test_win_free_of_an_unknown_name(cases):
