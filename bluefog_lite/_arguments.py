@@ -179,11 +179,11 @@ def _ranks_named(ranks, size, me):
         return [], False
     try:
         items = [_item(r) for r in (ranks.keys() if isinstance(ranks, dict) else ranks)]   # (0-d tensors: _rank)
+        good = [r for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
+                and 0 <= r < size and r != me]
+        return sorted({int(r) for r in good}), len(good) == len(items)
     except Exception:       # anything: the caller is already reporting bad arguments
         return [], False
-    good = [r for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)
-            and 0 <= r < size and r != me]
-    return sorted({int(r) for r in good}), len(good) == len(items)
 
 
 def _peers(topo, static, srcs, dsts, size, me):

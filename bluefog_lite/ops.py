@@ -151,21 +151,25 @@ def _finish_all(items, finish):
 
 # ---- collectives -------------------------------------------------------------------
 
-def _collective(kind, name, prepare, deliver=None, written=None):
+def _collective(kind, name, prepare, tensor=None, in_place=False):
     """Submit the collective whose task prepare() checks the arguments for and makes.
     With bad input (prepare raises TypeError or ValueError, or anything else: a user's
-    state_dict hook, a failed copy to the host) this agent still takes part in the
-    collective's negotiation, so that the other agents raise an error naming it
-    instead of waiting for it; it raises its own error (at synchronize, as the
-    others do). written: the tensor an in-place form writes, once the call is accepted."""
+    state_dict hook, a failed copy to the host, a tensor that cannot be read) this
+    agent still takes part in the collective's negotiation, so that the other agents
+    raise an error naming it instead of waiting for it; it raises its own error (at
+    synchronize, as the others do). tensor: the input, whose result synchronize
+    returns (see _devices.delivery); in_place: the result is written into it (its
+    write counted once the call is accepted)."""
     state()
     try:
         make_task = prepare()
+        deliver = None if tensor is None else (_in_place(tensor, name) if in_place else
+                                               _devices.delivery(tensor, False, name))
     except Exception as exc:
         error = exc     # (exc itself is unbound when the except clause ends)
         return _submit(kind, name, lambda e, op: _tasks.bad_input(e, op, error))
     handle = _submit(kind, name, make_task, deliver=deliver)
-    return handle if written is None else _written(written, handle)
+    return _written(tensor, handle) if in_place else handle
 
 
 def _untainted(st, name):
@@ -273,7 +277,7 @@ def _local_flag(is_hierarchical_local):
     default form), so that the other agents raise too instead of waiting for it."""
     try:
         return _flag(is_hierarchical_local, "is_hierarchical_local"), None
-    except TypeError as exc:
+    except Exception as exc:    # (not True or False; or an object that raises when read)
         return False, exc
 
 
@@ -284,7 +288,7 @@ def _checked_or(enable_topo_check, default):
     made, and every agent waited)."""
     try:
         return _flag(enable_topo_check, "enable_topo_check")
-    except TypeError:
+    except Exception:
         return default
 
 
@@ -300,7 +304,7 @@ def allreduce_nonblocking(tensor, average=True, is_hierarchical_local=False, nam
         avg = _flag(average, "average")
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, None)
-    return _collective("ALLREDUCE", name, prepare, _devices.delivery(tensor, False, name))
+    return _collective("ALLREDUCE", name, prepare, tensor)
 
 
 def allreduce(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -321,7 +325,7 @@ def allreduce_nonblocking_(tensor, average=True, is_hierarchical_local=False, na
         x = _reducible(_input(tensor, name), "ALLREDUCE")
         _writable(tensor, "allreduce_")
         return lambda e, op: _collective_tasks.allreduce(e, op, x, avg, _target(tensor, x))
-    return _collective("ALLREDUCE", name, prepare, _in_place(tensor, name), written=tensor)
+    return _collective("ALLREDUCE", name, prepare, tensor, in_place=True)
 
 
 def allreduce_(tensor, average=True, is_hierarchical_local=False, name=None):
@@ -335,7 +339,7 @@ def broadcast_nonblocking(tensor, root_rank, name=None):
         x = _input(tensor, name)
         root = _rank(root_rank, "root_rank", state().size)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, None)
-    return _collective("BROADCAST", name, prepare, _devices.delivery(tensor, False, name))
+    return _collective("BROADCAST", name, prepare, tensor)
 
 
 def broadcast(tensor, root_rank, name=None):
@@ -350,7 +354,7 @@ def broadcast_nonblocking_(tensor, root_rank, name=None):
         _writable(tensor, "broadcast_")
         root = _rank(root_rank, "root_rank", state().size)
         return lambda e, op: _collective_tasks.broadcast(e, op, x, root, _target(tensor, x))
-    return _collective("BROADCAST", name, prepare, _in_place(tensor, name), written=tensor)
+    return _collective("BROADCAST", name, prepare, tensor, in_place=True)
 
 
 def broadcast_(tensor, root_rank, name=None):
@@ -365,7 +369,7 @@ def allgather_nonblocking(tensor, name=None):
         if x.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
         return lambda e, op: _collective_tasks.allgather(e, op, x)
-    return _collective("ALLGATHER", name, prepare, _devices.delivery(tensor, False, name))
+    return _collective("ALLGATHER", name, prepare, tensor)
 
 
 def allgather(tensor, name=None):

@@ -237,7 +237,12 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
             ("one_agent.broadcast_root", 2, "ValueError", "root_rank 4 is out of range"),
             ("one_agent.allgather_scalar", 3, "ValueError", "at least one dimension"),
             ("one_agent.allreduce_expanded", 0, "ValueError", "elements share memory"),
-            ("one_agent.allreduce_local_flag", 2, "TypeError", "is_hierarchical_local")):
+            ("one_agent.allreduce_local_flag", 2, "TypeError", "is_hierarchical_local"),
+            # checks raising something else: the agent still joins (before: it raised alone)
+            ("one_agent.allreduce_unreadable", 1, "RuntimeError", "this tensor cannot be read"),
+            ("one_agent.broadcast_unreadable_", 3, "RuntimeError", "this tensor cannot be read"),
+            ("one_agent.allgather_unreadable", 0, "RuntimeError", "this tensor cannot be read"),
+            ("one_agent.allreduce_unreadable_flag", 2, "RuntimeError", "this flag cannot be read")):
         raised(cases, case, exc, words, ranks=[bad])
         raised(cases, case, "ValueError", "failed on every agent because of bad input",
                f"rank {bad}: {exc}: ", words, ranks=[r for r in range(N) if r != bad])
@@ -262,6 +267,8 @@ def test_bad_collective_input_on_one_agent_fails_on_every_agent(cases):
     ("nag_unreadable", 0, "RuntimeError", "this tensor cannot be read", [1, 2]),
     ("gossip_unreadable", 3, "RuntimeError", "this tensor cannot be read", [2]),
     ("local_unreadable", 1, "RuntimeError", "this tensor cannot be read", [0, 2, 3]),
+    ("nar_checked_unreadable_rank", 1, "RuntimeError", "this rank cannot be converted", [0, 2, 3]),
+    ("nag_unreadable_flag", 2, "RuntimeError", "this flag cannot be read", [0, 1, 3]),
 ])
 def test_bad_neighbor_arguments_on_one_agent_fail_on_its_receivers(cases, case, bad, exc, words, receivers):
     """The agent raises its own error; the agents that receive from it raise one naming
@@ -270,7 +277,8 @@ def test_bad_neighbor_arguments_on_one_agent_fail_on_its_receivers(cases, case, 
     left over)."""
     got = raised(cases, f"one_agent.{case}", exc, words, ranks=[bad])
     # the topology check is collective: there every agent fails
-    why = "failed on every agent because of bad input" if case == "nar_checked" else \
+    checked = case.startswith(("nar_checked", "nag_unreadable_flag"))
+    why = "failed on every agent because of bad input" if checked else \
         f"rank {bad} sent nothing for it: the call failed there because of bad input"
     raised(cases, f"one_agent.{case}", "ValueError", why, f"{exc}: ", words, ranks=receivers)
     for r in set(range(N)) - set(receivers) - {bad}:

@@ -210,6 +210,32 @@ attempt("range.pair_gossip_self", bf.pair_gossip, X, RANK)
 attempt("range.broadcast_root", bf.broadcast, X, SIZE)
 attempt("range.broadcast_root_negative", bf.broadcast_, X, -1)
 attempt("range.broadcast_root_differs", bf.broadcast, X, RANK % 2, name="root.differs")
+class Unreadable(torch.Tensor):
+    """A tensor whose every torch call raises RuntimeError (as a failed copy off a
+    device would): not bad input as such, but the checks of the call raise."""
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("this tensor cannot be read")
+
+
+UNREADABLE = torch.ones(3, 4).as_subclass(Unreadable)
+
+
+class UnreadableRank(int):
+    """A rank that passes the Integral checks but cannot be converted."""
+    def __int__(self):
+        raise RuntimeError("this rank cannot be converted")
+
+    __index__ = __int__
+
+
+class UnreadableFlag:
+    """A flag that raises when read."""
+    @property
+    def __class__(self):
+        raise RuntimeError("this flag cannot be read")
+
+
 # bad input to a collective on one agent only: that agent raises its own error, the
 # others an error naming it (they waited for it before), and the next collective works
 attempt("one_agent.allreduce_dtype", bf.allreduce,
@@ -221,6 +247,12 @@ attempt("one_agent.allreduce_expanded", bf.allreduce_,
         torch.ones(1).expand(4) if RANK == 0 else torch.ones(4), name="one.ar_")
 attempt("one_agent.allreduce_local_flag", bf.allreduce, X, is_hierarchical_local=None if RANK == 2 else False,
         name="one.flag")
+# checks that raise something else (a tensor or a flag that cannot be read) on one agent
+attempt("one_agent.allreduce_unreadable", bf.allreduce, UNREADABLE if RANK == 1 else X, name="one.aru")
+attempt("one_agent.broadcast_unreadable_", bf.broadcast_, UNREADABLE if RANK == 3 else X.clone(), 0, name="one.bcu")
+attempt("one_agent.allgather_unreadable", bf.allgather, UNREADABLE if RANK == 0 else X, name="one.agu")
+attempt("one_agent.allreduce_unreadable_flag", bf.allreduce, X,
+        is_hierarchical_local=UnreadableFlag() if RANK == 2 else False, name="one.flagu")
 # an int8 average is summed in int64, a sum in int8: MPI was given buffers of two types
 attempt("collective.int_average_differs", bf.allreduce, torch.ones(4, dtype=torch.int8), average=RANK != 1,
         name="avg.differs")
@@ -231,16 +263,6 @@ check("one_agent.next_collective", lambda: close(bf.allreduce(torch.from_numpy(d
 # before), and the next call of the name gets this round's data (nothing stale)
 RING = dict(self_weight=0.5, src_weights={(RANK - 1) % SIZE: 0.5}, dst_weights=[(RANK + 1) % SIZE])
 
-
-class Unreadable(torch.Tensor):
-    """A tensor whose every torch call raises RuntimeError (as a failed copy off a
-    device would): not bad input as such, but the checks of the call raise."""
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError("this tensor cannot be read")
-
-
-UNREADABLE = torch.ones(3, 4).as_subclass(Unreadable)
 ONE_AGENT_NEIGHBOR = (
     ("one_agent.nar_static", lambda bad: bf.neighbor_allreduce(
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, name="one.nar"),
@@ -282,6 +304,16 @@ ONE_AGENT_NEIGHBOR = (
         torch.ones(3, 4, dtype=torch.bool) if bad == RANK else X, is_hierarchical_local=True, name="one.local"),
      2, lambda: bf.allreduce(X, is_hierarchical_local=True, name="one.local"), lambda xs: np.mean(xs, axis=0)),
     # checks that raise something else (RuntimeError) tell the receivers too
+    ("one_agent.nar_checked_unreadable_rank", lambda bad: bf.neighbor_allreduce(
+        X, **dict(RING, dst_weights={UnreadableRank((RANK + 1) % SIZE) if bad == RANK else (RANK + 1) % SIZE: 1.0}),
+        name="one.dynu"),
+     1, lambda: bf.neighbor_allreduce(X, **RING, name="one.dynu"),
+     lambda xs: 0.5 * xs[RANK] + 0.5 * xs[(RANK - 1) % SIZE]),
+    ("one_agent.nag_unreadable_flag", lambda bad: bf.neighbor_allgather(
+        X, src_ranks=[(RANK - 1) % SIZE], dst_ranks=[(RANK + 1) % SIZE],
+        enable_topo_check=UnreadableFlag() if bad == RANK else True, name="one.nagf"),
+     2, lambda: bf.neighbor_allgather(X, src_ranks=[(RANK - 1) % SIZE], dst_ranks=[(RANK + 1) % SIZE],
+                                      name="one.nagf"), lambda xs: xs[(RANK - 1) % SIZE]),
     ("one_agent.nar_unreadable", lambda bad: bf.neighbor_allreduce(UNREADABLE if bad == RANK else X, name="one.unr"),
      1, lambda: bf.neighbor_allreduce(X, name="one.unr"), lambda xs: exp2_average(xs)),
     ("one_agent.nag_unreadable", lambda bad: bf.neighbor_allgather(UNREADABLE if bad == RANK else X, name="one.nagu"),
