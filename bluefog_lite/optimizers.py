@@ -1267,25 +1267,31 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
 
     def _apply(self, p, result):
         name, grad, version = self._averaged.pop(id(p), (None, p.grad, None))
+        had = id(p) not in self._filled
+        self._filled.discard(id(p))
+        flat = result.reshape(-1)
+        if not (flat.numel() and flat[0]) and not flat.any():    # (the first element: a quick no)
+            self._zero_averages.append((self._index[id(p)], p, had))    # (counted even if raising below)
         if p.grad is not grad or (version is not None and grad._version != version
                                   and not _aliased(grad, (q.grad for _, q in self._named))):
             # The allreduce reads the gradient until it is done: a change made meanwhile
             # (clip_grad_norm_ before step()) would be lost or half taken.
-            raise RuntimeError(
+            raise _GradientChanged(
                 f"the gradient of {name!r} was changed after backward() started averaging it (clipped or "
                 "replaced before step()), so its average would undo the change or take part of it. "
                 "Call opt.synchronize() first, then change the averaged gradients, then step() inside "
                 "`with opt.skip_synchronize():`")
-        had = id(p) not in self._filled
-        self._filled.discard(id(p))
         p.grad.copy_(result)
-        flat = result.reshape(-1)
-        if not (flat.numel() and flat[0]) and not flat.any():    # (the first element: a quick no)
-            self._zero_averages.append((self._index[id(p)], p, had))
 
     def _synchronize(self):
         self._zero_averages = []
-        super()._synchronize()
+        try:
+            super()._synchronize()
+        except _GradientChanged:
+            # (on this agent only, perhaps: a clip that depends on its data) the others
+            # count the users of the all-zero averages next, and wait for it there
+            self._drop_unused_gradients()
+            raise
         self._drop_unused_gradients()
 
     def _drop_unused_gradients(self):
@@ -1315,6 +1321,10 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             self.optimizer.step()
         self._finish_step(refusal)
         return loss
+
+
+class _GradientChanged(RuntimeError):
+    """A gradient was changed while its allreduce read it (see _apply)."""
 
 
 class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):

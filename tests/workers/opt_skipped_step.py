@@ -204,6 +204,40 @@ for p, r in zip(model.parameters(), raw):
     torch.testing.assert_close(p.grad, r * (0.01 / (norm + 1e-6)), rtol=1e-6, atol=1e-7)
 opt.remove_hooks()
 
+# the same on one agent only (a clip that depends on its data), in a model with a layer
+# that no agent uses: that agent raises; every agent still counts the users of the
+# all-zero averages (the others did, and waited for it there) and drops that gradient;
+# the next step works
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.unused, self.used = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+heads = TwoHeads()
+opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(heads.parameters(), lr=0.0), heads)
+for s, clipping in enumerate((1, None)):
+    opt.zero_grad()
+    heads(torch.ones(4, 2) * (rank + s + 1)).sum().backward()
+    if rank == clipping:
+        with torch.no_grad():
+            heads.used.weight.grad.mul_(0.5)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert rank == clipping and "was changed after backward() started averaging it" in str(e), e
+    else:
+        assert rank != clipping, "a changed gradient went unnoticed"
+    assert heads.unused.weight.grad is None and heads.unused.bias.grad is None, (s, heads.unused.weight.grad)
+    if clipping is None:    # (the average: 4 * the mean of (r + s + 1) per input column; in the step
+        # before, the others' average may hold the clipping agent's gradient before or after its clip)
+        want = 4 * (s + 1 + (size - 1) / 2)
+        torch.testing.assert_close(heads.used.weight.grad, torch.full((1, 2), want), msg=lambda m: f"step {s}: {m}")
+opt.remove_hooks()
+
 # parameters joined into one tensor by the model (torch.cat: their gradients are slices
 # of one buffer, with one version counter) are not taken for changed gradients, with
 # num_steps_per_communication 1 and 2: the step uses the average of the summed passes
