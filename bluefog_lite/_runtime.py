@@ -179,14 +179,14 @@ def init(topology_fn=None, is_weighted=False):
     _state.local_ranks = sorted(r for r, (m, _, _) in enumerate(layout) if m == _state.machine_rank)
     _state.local_rank, _state.local_size = local.rank, local.size
     local.Free()
-    G = _initial_topology(topology_fn, is_weighted, comm)
+    topology = _initial_topology(topology_fn, is_weighted, comm)
     _set_compute_threads(_state.local_size)
     _state.engine = _engine.Engine(comm.Dup(), _state.rank, _state.size)
     _state.departures = Departures(comm, _state.engine, _abort_for_departed)
     _state.initialized = True
     _state.shut_down = False
-    _install_topology(G, is_weighted)
-    _install_machine_topology(_topo.ExponentialGraph(_state.machine_size), False)
+    _install_topology(topology)
+    _install_machine_topology(_Topology(_topo.ExponentialGraph(_state.machine_size), _state.machine_rank, False))
     global _exit_registered
     if not _exit_registered:        # (once per process, however often it is initialized)
         atexit.register(shutdown)
@@ -250,9 +250,10 @@ def _every_agent_arrived(world):
 
 
 def _initial_topology(topology_fn, is_weighted, comm):
-    """topology_fn(size), validated, and the same graph on every agent (collective).
-    An agent whose arguments fail (or whose topology_fn raises) still joins the
-    exchange, so that every agent raises instead of the others waiting for it."""
+    """The _Topology of topology_fn(size), validated, and the same graph on every
+    agent (collective). An agent whose arguments fail (or whose topology_fn raises,
+    or whose graph's neighbors cannot be read) still joins the exchange, so that
+    every agent raises instead of the others waiting for it."""
     from ._tasks import BadInput, failed_everywhere
     error = None
     try:
@@ -265,6 +266,7 @@ def _initial_topology(topology_fn, is_weighted, comm):
             G = _validate_graph(topology_fn(comm.size), comm.size, "init: the graph returned by topology_fn",
                                 is_weighted)
         mine = _fingerprint(G, is_weighted)
+        topology = _Topology(G, comm.rank, bool(is_weighted))
     except Exception as exc:
         error, mine = exc, BadInput(f"{type(exc).__name__}: {exc}")
     views = comm.allgather(mine)
@@ -275,7 +277,7 @@ def _initial_topology(topology_fn, is_weighted, comm):
         raise failed_everywhere("init", bad)
     _same_everywhere("init", views, "topology_fn returned different graphs on different agents; it must give "
                      "every agent the same graph")
-    return G
+    return topology
 
 
 def _start_timeline_if_requested():
@@ -487,13 +489,13 @@ def plan_key(self_weight, src_weights, send_plan, recv_from):
     return (self_weight, tuple(src_weights.items()), tuple(send_plan), tuple(recv_from))
 
 
-def _install_topology(G, is_weighted):
-    _state.topology = _Topology(G, _state.rank, bool(is_weighted))
-    _state.is_weighted = bool(is_weighted)
+def _install_topology(topology):
+    _state.topology = topology
+    _state.is_weighted = topology.is_weighted
 
 
-def _install_machine_topology(G, is_weighted):
-    _state.machine_topology = _Topology(G, _state.machine_rank, bool(is_weighted))
+def _install_machine_topology(topology):
+    _state.machine_topology = topology
 
 
 def _edges(G):
@@ -537,7 +539,6 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
     (the specification's); none: the Exponential-2 graph."""
     st = state()
     busy = bool(st.windows) or st.engine.has_pending()
-    in_use = _identity(st.topology.graph, st.topology.is_weighted)
 
     def validated():
         _check_is_weighted(is_weighted)
@@ -546,18 +547,20 @@ def set_topology(topology=None, is_weighted=False, *, G=None):
         given = topology if G is None else G
         graph = (_topo.ExponentialGraph(st.size) if given is None
                  else _validate_graph(given, st.size, "topology", is_weighted))
-        changed = _identity(graph, is_weighted) != in_use
-        return (graph, changed), (busy and changed, _fingerprint(graph, is_weighted))
+        changed = _identity(graph, is_weighted) != _identity(st.topology.graph, st.topology.is_weighted)
+        # (made before the agents agree: a graph whose neighbors cannot be read fails everywhere)
+        new = _Topology(graph, st.rank, bool(is_weighted)) if changed else None
+        return new, (busy and changed, _fingerprint(graph, is_weighted))
     from .ops import _negotiate
-    (graph, changed), views = _negotiate("set_topology", validated)
+    new, views = _negotiate("set_topology", validated)
     if any(b for b, _ in views):
         warnings.warn("set_topology refused: windows exist or operations are in flight "
                       "(free windows with win_free() and synchronize handles first)")
         return False
     _same_everywhere("set_topology", [fp for _, fp in views],
                      "agents passed different graphs; every agent must set the same topology")
-    if changed:
-        _install_topology(graph, is_weighted)
+    if new is not None:
+        _install_topology(new)
     return True
 
 
@@ -584,11 +587,11 @@ def set_machine_topology(topology, is_weighted=False):
     def validated():
         _check_is_weighted(is_weighted)
         G = _validate_graph(topology, st.machine_size, "machine topology", is_weighted, unit="machine")
-        return G, _fingerprint(G, is_weighted)
+        return _Topology(G, st.machine_rank, bool(is_weighted)), _fingerprint(G, is_weighted)
     from .ops import _negotiate
-    G, views = _negotiate("set_machine_topology", validated)
+    new, views = _negotiate("set_machine_topology", validated)
     _same_everywhere("set_machine_topology", views, "agents passed different graphs")
-    _install_machine_topology(G, is_weighted)
+    _install_machine_topology(new)
     return True
 
 

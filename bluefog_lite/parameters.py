@@ -74,13 +74,14 @@ def _agreed(call, params, root_rank=None, keep=lambda p: True):
         for n, p in items:       # what the in-place operations would refuse, before any runs
             _arguments._dense(p, f"parameter {n!r}")
             _arguments._writable(p, f"{call}: parameter {n!r}")
+        items = _distinct(items)
         # every entry compared, kept or not (a dtype kept on one agent only is named as such)
         return items, (root, [(n, _tasks._meta(p)) for n, p in named])
     items, views = ops._negotiate(f"{call}.check", validated)
     wrong = _different_roots(call, [root for root, _ in views]) or _difference(call, [v for _, v in views])
     if wrong is not None:
         raise ValueError(wrong)
-    return _distinct(items)
+    return items
 
 
 def _different_roots(call, roots):

@@ -112,6 +112,12 @@ def test_init_with_a_bad_topology_fn_fails_on_every_agent(cases):
     raised(cases, "init.one_agent_bad_is_weighted", "TypeError", "is_weighted must be True or False, got 'yes'",
            ranks=[3])
     raised(cases, "init.one_agent_bad_is_weighted", "ValueError", "(rank 3: TypeError: is_weighted", ranks=[0, 1, 2])
+    # a graph whose neighbors cannot be read on one agent (RuntimeError, after the checks): every agent
+    # raises (before, that agent alone raised after the exchange, and the others waited in init)
+    raised(cases, "init.one_agent_unreadable_graph", "RuntimeError", "this graph's neighbors cannot be read",
+           ranks=[0])
+    raised(cases, "init.one_agent_unreadable_graph", "ValueError", "init failed on every agent because of bad input "
+           "(rank 0: RuntimeError: this graph's neighbors cannot be read", ranks=[1, 2, 3])
     raised(cases, "init.after_failed_init", "BluefogError", "not initialized")   # and init() works after
 
 
@@ -298,6 +304,10 @@ def test_parameter_helpers_check_every_agents_parameters_first(cases):
     raised(cases, "params.not_params", "TypeError", "params must be a state_dict()", "got Tensor", ranks=[3])
     raised(cases, "params.not_params", "ValueError", "failed on every agent because of bad input",
            "rank 3: TypeError: params must be", ranks=[0, 1, 2])
+    raised(cases, "params.storage_unreadable", "RuntimeError", "this tensor's storage cannot be read", ranks=[3])
+    raised(cases, "params.storage_unreadable", "ValueError", "failed on every agent because of bad input",
+           "rank 3: RuntimeError: this tensor's storage cannot be read", ranks=[0, 1, 2])
+    assert cases.of("params.storage_unreadable_unchanged") == {r: "OK" for r in range(N)}
     raised(cases, "params.optimizer_root", "ValueError", "root_rank 4 is out of range", ranks=[3])
     raised(cases, "params.optimizer_root", "ValueError", "failed on every agent because of bad input",
            "rank 3: ValueError: root_rank 4 is out of range", ranks=[0, 1, 2])
@@ -376,6 +386,12 @@ def test_bad_topology_input_on_one_agent_fails_on_every_agent(cases):
         raised(cases, case, "ValueError", "failed on every agent because of bad input",
                f"rank {bad}: ValueError: ", words, ranks=[r for r in range(N) if r != bad])
     assert cases.of("one_agent.after_topology") == {r: "OK" for r in range(N)}
+    # the same with a graph whose neighbors cannot be read on one agent (before: the others took it)
+    raised(cases, "one_agent.set_topology_unreadable", "RuntimeError", "this graph's neighbors cannot be read",
+           ranks=[1])
+    raised(cases, "one_agent.set_topology_unreadable", "ValueError", "failed on every agent because of bad input",
+           "rank 1: RuntimeError: this graph's neighbors cannot be read", ranks=[0, 2, 3])
+    assert cases.of("one_agent.set_topology_unreadable_unchanged") == {r: "OK" for r in range(N)}
 
 
 def test_init_again_with_a_topology_warns_and_keeps_the_topology(cases):

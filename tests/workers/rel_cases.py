@@ -107,11 +107,21 @@ attempt("init.topology_fn_not_callable", bf.init, topology_fn=topo.RingGraph(SIZ
 attempt("init.topology_fn_differs", bf.init,
         topology_fn=lambda n: topo.StarGraph(n) if RANK == 1 else topo.RingGraph(n))
 attempt("init.is_weighted_differs", bf.init, topology_fn=topo.StarGraph, is_weighted=RANK == 2)
+
+
+class Blind(nx.DiGraph):
+    """A graph whose neighbors cannot be read (valid otherwise: nodes, edges)."""
+    def predecessors(self, n):
+        raise RuntimeError("this graph's neighbors cannot be read")
+
+
 # bad input on one agent only (the error caught there): every agent raises, none waits
 attempt("init.one_agent_bad_graph", bf.init,
         topology_fn=lambda n: topo.RingGraph(n + 1) if RANK == 1 else topo.RingGraph(n))
 attempt("init.one_agent_fn_raises", bf.init, topology_fn=lambda n: 1 // (RANK - 2) and topo.RingGraph(n))
 attempt("init.one_agent_bad_is_weighted", bf.init, is_weighted="yes" if RANK == 3 else False)
+attempt("init.one_agent_unreadable_graph", bf.init,
+        topology_fn=lambda n: Blind(topo.RingGraph(n)) if RANK == 0 else topo.RingGraph(n))
 attempt("init.after_failed_init", bf.rank)
 bf.init()
 assert (bf.rank(), bf.size()) == (RANK, SIZE) and SIZE == 4
@@ -381,6 +391,22 @@ MINE = torch.full((2,), float(RANK))
 attempt("params.expanded", bf.allreduce_parameters,
         {"a": MINE, "b": torch.ones(1).expand(3) if RANK == 1 else torch.ones(3)})
 check("params.expanded_unchanged", lambda: close(MINE, np.full(2, float(RANK)), tol=0))
+
+
+class NoStorage(torch.Tensor):
+    """A tensor whose storage cannot be read (everything else works)."""
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "untyped_storage":
+            raise RuntimeError("this tensor's storage cannot be read")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+MINE_TOO = torch.full((2,), float(RANK))
+attempt("params.storage_unreadable", bf.allreduce_parameters,
+        {"a": MINE_TOO, "b": torch.ones(3).as_subclass(NoStorage) if RANK == 3 else torch.ones(3)})
+check("params.storage_unreadable_unchanged", lambda: close(MINE_TOO, np.full(2, float(RANK)), tol=0))
 attempt("params.duplicate_names", bf.broadcast_parameters, [("c", torch.ones(1)), ("c", torch.ones(2))], 0)
 attempt("params.not_tensors", bf.broadcast_parameters, {"a": "x"}, 0)
 check("params.names_free_after_errors", lambda: close(bf.allreduce_parameters({"b": MINE}) or MINE,
@@ -446,6 +472,11 @@ check("topology.weights_ignored_unweighted", lambda: None if bf.set_topology(STR
       and bf.set_topology(topo.ExponentialGraph(SIZE))
       else "refused")
 attempt("one_agent.set_topology", bf.set_topology, topo.RingGraph(SIZE + (RANK == 2)))
+BEFORE_IN = bf.in_neighbor_ranks()
+attempt("one_agent.set_topology_unreadable", bf.set_topology,
+        Blind(topo.RingGraph(SIZE)) if RANK == 1 else topo.RingGraph(SIZE))
+check("one_agent.set_topology_unreadable_unchanged",
+      lambda: None if bf.in_neighbor_ranks() == BEFORE_IN else f"in-neighbors now {bf.in_neighbor_ranks()}")
 attempt("one_agent.infer_sources", bf.InferSourceFromDestinationRanks, [SIZE] if RANK == 3 else [(RANK + 1) % SIZE])
 check("one_agent.after_topology", lambda: None if bf.InferSourceFromDestinationRanks([(RANK + 1) % SIZE])
       == [(RANK - 1) % SIZE] else "wrong sources")
