@@ -94,6 +94,9 @@ _SENDER_SCALES = ("the sender scales in the tensor's dtype): weight on the recei
                   "wider dtype")
 
 
+_UNREDUCED = {torch.uint16, torch.uint32, torch.uint64}    # torch has no min()/max() for these (numpy has)
+
+
 def _fits_scaled(t, weights, what, why=_SENDER_SCALES):
     """Raise ValueError if integer tensor t times one of weights (rounded to t's dtype,
     as a sender scales it: _neighbor_tasks.scaled) leaves t's range: the values would
@@ -104,7 +107,11 @@ def _fits_scaled(t, weights, what, why=_SENDER_SCALES):
     weights = [w for w in weights if w is not None and not 0.0 <= w <= 1.0]      # (those keep the values in)
     if not weights:
         return
-    lo, hi = t.min().item(), t.max().item()
+    if t.dtype in _UNREDUCED:
+        a = t.cpu().numpy()
+        lo, hi = a.min().item(), a.max().item()
+    else:
+        lo, hi = t.min().item(), t.max().item()
     info = torch.iinfo(t.dtype)
     for w in weights:
         a, b = sorted((round(lo * w), round(hi * w)))

@@ -78,7 +78,9 @@ def allreduce(eng, op, x, average, target):
             else:
                 out.div_(eng.size, rounding_mode="floor")
     if target is not None and out is not target:
-        target.copy_(out)       # (casts a widened sum back)
+        # (casts a widened sum back; a cast into a tensor with the negative bit (z.conj().imag
+        # of a complex32 z) ignores the bit in torch: cast first, then copy)
+        target.copy_(out.to(target.dtype) if target.is_neg() else out)
         return target
     return out if out.dtype == dtype else out.to(dtype)
 

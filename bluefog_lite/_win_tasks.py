@@ -575,7 +575,8 @@ def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, 
             terms = [(win.buffers[i], w) for i, w in used]
             try:
                 if acc is not None:
-                    out.copy_(weighted_sum(acc, acc, self_weight, terms))
+                    result = weighted_sum(acc, acc, self_weight, terms)     # (neg bit: see _collective_tasks)
+                    out.copy_(result.to(out.dtype) if out.is_neg() else result)
                 else:
                     weighted_sum(out, x, self_weight, terms)
             except ValueError as exc:     # (an integer window's sum out of its range)

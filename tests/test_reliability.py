@@ -512,6 +512,10 @@ def test_layouts_and_dtypes_that_cannot_be_sent_get_a_clear_error(cases):
         raised(cases, f"odd.{kind}.win_create", "TypeError", "win_create failed on every agent")
     raised(cases, "odd.float8.neighbor_allreduce", "TypeError", "cannot average float8_e4m3fn tensors")
     assert cases.of("odd.uint16.neighbor_allreduce") == {r: "OK" for r in range(N)}
+    for udt in ("uint16", "uint32", "uint64"):
+        raised(cases, f"odd.torch.{udt}.scaled_beyond", "ValueError", f"takes this {udt} tensor's values",
+               "where they would wrap around")
+        assert cases.of(f"odd.torch.{udt}.scaled_within") == {r: "OK" for r in range(N)}
 
 
 def test_non_contiguous_tensors_work(cases):

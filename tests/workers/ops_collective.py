@@ -63,6 +63,12 @@ for dt, big, tol in ((torch.float16, 2048.0, 2.0 ** -10), (torch.bfloat16, 256.0
     xl = torch.from_numpy(data(rank)).to(dt)
     local = bf.allreduce(xl, is_hierarchical_local=True, name=f"ar.half.local.{dt}")
     np.testing.assert_allclose(local.double().numpy(), q[MACHINE].mean(0), rtol=4 * tol, atol=tol)
+    # a tensor with the negative bit (z.conj().imag of a complex32 z): torch ignores the bit when it
+    # casts the float32 sum into it, which wrote the negated result
+    xn = torch._neg_view(-torch.from_numpy(data(rank)).to(dt))
+    assert xn.is_neg()
+    bf.allreduce_(xn, average=False, name=f"ar.half.neg.{dt}")
+    np.testing.assert_allclose(xn.double().numpy(), q.sum(0), rtol=tol, atol=tol * 1e-2)
 
 # a one-element bfloat16 view whose stride is not 1 (m[:, 0] of a (1, 2) matrix): torch calls it
 # contiguous, and its bytes could not be taken (numpy has no bfloat16): the op raised on this

@@ -573,6 +573,17 @@ attempt("odd.float8.neighbor_allreduce", bf.neighbor_allreduce, torch.ones(2).to
 check("odd.uint16.neighbor_allreduce", lambda: close(
     bf.neighbor_allreduce(torch.full((2,), 10 * (RANK + 1), dtype=torch.uint16), name="u16"),
     np.full(2, np.round(exp2_average([np.full(2, 10.0 * (r + 1)) for r in range(SIZE)])[0]))))
+# a weight beyond [0, 1] on the wider unsigned integers: checked for wrapping like the others
+# (torch has no min()/max() for them: the check raised NotImplementedError)
+for udt in (torch.uint16, torch.uint32, torch.uint64):
+    attempt(f"odd.{udt}.scaled_beyond", bf.neighbor_allreduce, torch.full((2,), torch.iinfo(udt).max // 2 + 1,
+                                                                          dtype=udt),
+            self_weight=0.0, src_weights={(RANK - 1) % SIZE: 1.0}, dst_weights={(RANK + 1) % SIZE: 2.0},
+            enable_topo_check=False, name=f"scaled.{udt}")
+    check(f"odd.{udt}.scaled_within", lambda: close(bf.neighbor_allreduce(
+        torch.full((2,), 10 * (RANK + 1), dtype=udt), self_weight=0.0, src_weights={(RANK - 1) % SIZE: 1.0},
+        dst_weights={(RANK + 1) % SIZE: 2.0}, enable_topo_check=False, name=f"scaled.{udt}").double(),
+        np.full(2, 20.0 * ((RANK - 1) % SIZE + 1))))
 
 
 # ---- non-contiguous, zero-element and 0-d tensors work ------------------------------------------

@@ -280,6 +280,14 @@ for dt, tol in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
     close(got.double(), sum(0.5 * everyone_h[s] for s in IN), 4 * tol)
     bf.barrier()
     bf.win_free(nm)
+    # a window tensor with the negative bit (see ops_collective): win_update writes the sum, not its negation
+    hn = torch._neg_view(-torch.from_numpy(data(rank, 13)).to(dt))
+    bf.win_create(hn, nm + ".neg")
+    y = bf.win_update(nm + ".neg")
+    assert y is hn and hn.is_neg()
+    close(hn.double(), sum(W[r, rank] for r in [rank] + IN) * q[rank], 4 * tol)
+    bf.barrier()
+    bf.win_free(nm + ".neg")
 
 # -- a complex window: graph weights, then accumulates (MPI sums C_DOUBLE_COMPLEX) --------------
 cz = {r: data(r, 17) + 1j * data(r, 18) for r in range(size)}
