@@ -257,6 +257,8 @@ def _free(name, at_shutdown=False):
     st = state()
     eng = st.engine
     problem = None
+    if isinstance(name, str):
+        name = str.__str__(name)    # (a str subclass's own hash or == could raise here, on one agent)
     if name is None:
         names = sorted(st.windows)
         if not names:

@@ -524,6 +524,19 @@ attempt("window.create_unreadable_on_one_agent", bf.win_create, UNREADABLE if RA
         "unreadable")
 attempt("window.free_unknown", bf.win_free, "nope")
 attempt("window.free_unknown_on_one_agent", bf.win_free, "nope" if RANK == 0 else "known")
+
+
+class Unhashable(str):
+    """A name whose own hash and == raise (as a str subclass may)."""
+    def __hash__(self):
+        raise RuntimeError("this name cannot be hashed")
+
+    def __eq__(self, other):
+        raise RuntimeError("this name cannot be compared")
+
+
+bf.win_create(torch.zeros(2), "sub")
+attempt("window.free_str_subclass", bf.win_free, Unhashable("sub") if RANK == 1 else "sub")
 report("window.names_after_errors", "names " + ",".join(bf.get_current_created_window_names()))
 bf.win_free()
 
