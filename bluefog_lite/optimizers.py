@@ -194,6 +194,9 @@ class _BeginRound(CopiedInert):
 
     def __call__(self, module, inputs):
         if _training_pass(module):
+            # a new round (synchronize() after a pass that raised, or whose loss the user
+            # skipped, ends it: without this it did nothing, as right after step())
+            self.wrapper._activity()
             self.wrapper._pass_begins()
 
 
@@ -1373,6 +1376,9 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         nothing until the next pass)."""
         if self._synced:
             return
+        if not self._communicating():   # (no puts were made: the forward hooks put only in k-th steps)
+            self._end_round()
+            return
         if (self.self_weight is None) != (self.src_weights is None):
             # (win_update would refuse them after the puts; without self_weight, src_weights
             # were ignored: the default weights were used, silently)
@@ -1409,8 +1415,15 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
                     "model.to(memory_format=...) or vector_to_parameters): the combination would not reach the "
                     "model. Create the wrapper after moving the model")
 
+    def synchronize(self):
+        if self.force_barrier and not (self._stepped or self._synced):
+            ops.barrier()       # (it ends the round: its step() will not, see step())
+        super().synchronize()
+
     def step(self, closure=None):
-        if self.force_barrier:
+        if self.force_barrier and not self._synced:
+            # once per round: after a synchronize() that ended the round (the gradient-scaler
+            # pattern) that call made it, as it does for an agent that skips step()
             ops.barrier()
         loss = self._run_closure(closure)
         refusal, refused = self._refusal()

@@ -271,5 +271,113 @@ for s in range(2):
     assert lin.weight.grad.untyped_storage().data_ptr() == flat_grads.untyped_storage().data_ptr()
     torch.testing.assert_close(flat_grads, want)
 opt.remove_hooks()
+
+# one agent skips a batch the others train on (its loss was NaN: no backward()), with the
+# loop clearing gradients through the model, as docs/optimizers.md says: synchronize()
+# ends its round (ATC: a forward pass since step() was not seen, so synchronize() did
+# nothing and the agent fell a round behind); lr = 0, so after s rounds x = (W^T)^s x0
+x0 = np.array([[10.0 * j + 1, -3.0 * j] for j in range(size)])
+
+
+def line():
+    lin = torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(x0[rank]).view(1, 2))
+    return lin
+
+
+for wrapper in (bf.DistributedAdaptThenCombineOptimizer, bf.DistributedAdaptWithCombineOptimizer):
+    lin = line()
+    opt = wrapper(torch.optim.SGD(lin.parameters(), lr=0.0), lin)
+    for s in range(1, 5):
+        lin.zero_grad()
+        loss = lin(torch.ones(3, 2, dtype=torch.float64)).sum()
+        if rank == 2 and s == 2:
+            opt.synchronize()
+            continue
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(lin.weight.detach().numpy().ravel(), (np.linalg.matrix_power(W.T, s) @ x0)[rank],
+                                   rtol=1e-12, atol=1e-12, err_msg=f"{wrapper.__name__}, step {s}")
+    opt.remove_hooks()
+
+# WinPut, num_steps_per_communication=2, synchronize(); skip_synchronize() step() (the
+# gradient-scaler pattern): synchronize() combined in every step, not in steps 2 and 4
+for pattern in ("step", "synchronize"):
+    lin = line()
+    opt = bf.DistributedWinPutOptimizer(torch.optim.SGD(lin.parameters(), lr=0.0), lin, num_steps_per_communication=2,
+                                        window_prefix=f"period.{pattern}")
+    for s in range(1, 5):
+        opt.zero_grad()
+        lin(torch.ones(3, 2, dtype=torch.float64)).sum().backward()
+        for _, h in list(opt._handles.values()):    # every put has landed before anyone combines
+            bf.win_wait(h)
+        opt._handles.clear()
+        bf.barrier()
+        if pattern == "step":
+            opt.step()
+        else:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        bf.barrier()
+        np.testing.assert_allclose(lin.weight.detach().numpy().ravel(),
+                                   (np.linalg.matrix_power(W.T, s // 2) @ x0)[rank], rtol=1e-12, atol=1e-12,
+                                   err_msg=f"WinPut {pattern}, step {s}")
+    opt.remove_hooks()
+    opt.free_windows()
+
+# WinPut with force_barrier: one barrier per round, also for an agent that skips step()
+# with synchronize() (it made none, and every later barrier paired with another step)
+lin = line()
+opt = bf.DistributedWinPutOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), lin, window_prefix="forced")
+opt.force_barrier = True
+for s in range(4):
+    opt.zero_grad()
+    loss = lin(torch.ones(3, 2, dtype=torch.float64)).sum()
+    if rank == 2 and s == 1:
+        opt.synchronize()
+        continue
+    loss.backward()
+    if rank == 1:       # the gradient-scaler pattern: one barrier too
+        opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+    else:
+        opt.step()
+assert bf.allreduce(torch.ones(1), average=False, name="forced.after").item() == size      # (still paired)
+opt.remove_hooks()
+opt.free_windows()
+
+# gradient allreduce: an agent whose backward raised before any gradient (or partway)
+# goes on with synchronize() and steps with the others' average: the models stay the same
+torch.manual_seed(3)
+model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+bf.broadcast_parameters(model.state_dict(), 0)
+opt = bf.DistributedGradientAllreduceOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+for s in range(4):
+    opt.zero_grad()
+    out = model(torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + s)))
+    if rank == 2 and s in (1, 2):
+        hidden = model[1](model[0](torch.ones(1, 5, dtype=torch.float64)))
+        if s == 1:      # before any parameter's gradient
+            out.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("non-finite")))
+            failing = out.pow(2).mean()
+        else:           # partway: the last layer's gradients are in, the first layer's are not
+            hidden.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("non-finite")))
+            failing = out.pow(2).mean() + model[2](hidden).sum()
+        try:
+            failing.backward()
+        except FloatingPointError:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+            continue
+        raise AssertionError("the hook did not raise")
+    out.pow(2).mean().backward()
+    opt.step()
+rows = bf.allgather(torch.cat([p.detach().reshape(1, -1) for p in model.parameters()], 1), name="gar.models")
+assert all(torch.equal(rows[0], rows[r]) for r in range(size)), "the models differ after a skipped batch"
+opt.remove_hooks()
 bf.shutdown()
 print(f"AGENT OK {rank}", flush=True)
