@@ -194,7 +194,8 @@ def _publish(win):
     """Refresh the exposed copy that neighbors' win_get reads, and the p that goes
     with it (a put's self_weight scales p and the tensor, not the exposed copy)."""
     if win.nbytes:
-        win.exposed.copy_(win.tensor.detach())
+        t = win.tensor.detach()
+        win.exposed.copy_(t.resolve_neg() if t.is_neg() else t)    # (a cast ignores the neg bit: see update)
     win.exposed_p[0] = win.p[0]
     win.win.Sync()      # local stores visible to RMA readers (separate memory model)
 
@@ -311,14 +312,15 @@ def _spans_hosts(eng):
     return _hosts_spanned[eng]
 
 
-def create(eng, op, win, problem, meta, zero_init):
-    """problem: None or (error type name, message) found by this agent's checks.
+def create(eng, op, win, problem, meta, zero_init, cause=None):
+    """problem: None or (error type name, message) found by this agent's checks
+    (cause: the exception behind it, if one was raised: the error is raised from it).
     Returns whether the agents span several hosts (then targets need progress pokes).
     Whatever can fail here without MPI failing runs before the agents agree (the
     copy that fills the buffers: a failure is negotiated like bad input), or is
     told to the others at the closing reduction: then every agent drops the new
     window and raises (an agent that raised alone left the others in that call)."""
-    own = failure = None
+    own, failure = None, cause
     if problem is None and not zero_init and win.nbytes:
         try:
             own = plain(win.tensor).to(win.stored)   # buffers start as copies of it (as in Bluefog)

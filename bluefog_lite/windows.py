@@ -191,10 +191,11 @@ def win_create(tensor, name, zero_init=False):
     global _poke_before
     st = state()
     eng = st.engine
+    cause = None    # an exception behind problem (raised from it on this agent)
     try:
         problem = _create_problem(tensor, name, st, zero_init)
     except Exception as exc:    # (a tensor that cannot be read: a subclass's or a device's error): told to all
-        problem = _win_tasks.failed_doing(exc, "checking the tensor")
+        cause, problem = exc, _win_tasks.failed_doing(exc, "checking the tensor")
     if problem is None:
         name = str.__str__(name)    # (a str subclass: see ops.check_name)
     win = meta = None
@@ -204,10 +205,10 @@ def win_create(tensor, name, zero_init=False):
             win = _win_tasks.Window(name, _devices.to_host(tensor, name) if on_device else tensor, st.topology,
                                     st.rank, st.size, device_tensor=tensor if on_device else None)
         except Exception as exc:    # (the host copy of a GPU tensor: out of memory): told to every agent
-            problem = _win_tasks.failed_doing(exc, "taking a host copy of the tensor")
+            cause, problem = exc, _win_tasks.failed_doing(exc, "taking a host copy of the tensor")
         meta = (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
     h = eng.submit("win_create", "WIN_CREATE", lambda eng, op: _win_tasks.create(
-        eng, op, win, problem, meta, bool(zero_init)))     # (checked: problem names a bad one)
+        eng, op, win, problem, meta, bool(zero_init), cause))     # (checked: problem names a bad one)
     multi_host = eng.synchronize_owned(h)
     if multi_host and _poke_before is None:
         # Off-host targets need their own MPI progress for puts to complete; on one

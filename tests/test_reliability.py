@@ -433,8 +433,10 @@ def test_win_create_twice_with_one_name(cases):
            "rank 2: a window named 'known' already exists")
     # checks that raise something else on one agent (a tensor that cannot be read): every agent raises
     # (before: that agent alone, while the others waited in win_create); no window is made
-    raised(cases, "window.create_unreadable_on_one_agent", "RuntimeError", "failed on every agent",
-           "rank 1: RuntimeError while checking the tensor: this tensor cannot be read")
+    got = raised(cases, "window.create_unreadable_on_one_agent", "RuntimeError", "failed on every agent",
+                 "rank 1: RuntimeError while checking the tensor: this tensor cannot be read")
+    assert got[1].endswith("(cause: RuntimeError('this tensor cannot be read'))"), got[1]
+    assert all(got[r].endswith("(cause: None)") for r in (0, 2, 3)), got
     assert cases.of("window.names_after_errors") == {r: "names known" for r in range(N)}
 
 

@@ -520,8 +520,12 @@ for op_name, fn, args in (("win_put", bf.win_put, (torch.ones(2), "nope")),
     attempt(f"window.unknown.{op_name}", fn, *args)
 attempt("window.create_twice", bf.win_create, torch.zeros(2), "known")
 attempt("window.create_twice_on_one_agent", bf.win_create, torch.zeros(2), "known" if RANK == 2 else "new")
-attempt("window.create_unreadable_on_one_agent", bf.win_create, UNREADABLE if RANK == 1 else torch.zeros(3, 4),
-        "unreadable")
+try:
+    bf.win_create(UNREADABLE if RANK == 1 else torch.zeros(3, 4), "unreadable")
+    report("window.create_unreadable_on_one_agent", "NONE")
+except Exception as exc:    # (on the agent whose tensor raised: raised from that error)
+    cause = exc.__cause__
+    report("window.create_unreadable_on_one_agent", f"{type(exc).__name__}: {exc} (cause: {cause!r})")
 attempt("window.free_unknown", bf.win_free, "nope")
 attempt("window.free_unknown_on_one_agent", bf.win_free, "nope" if RANK == 0 else "known")
 

@@ -287,6 +287,12 @@ for dt, tol in ((torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
     assert y is hn and hn.is_neg()
     close(hn.double(), sum(W[r, rank] for r in [rank] + IN) * q[rank], 4 * tol)
     bf.barrier()
+    # and what neighbors fetch from it (win_get reads a float32 copy of it, made by a cast)
+    all_hn = bf.allgather(hn.unsqueeze(0).clone(), name=f"half.neg.all.{dt}").double().numpy()
+    bf.win_get(nm + ".neg")
+    got = bf.win_update(nm + ".neg", self_weight=0.0, neighbor_weights={s: 1.0 for s in IN}, clone=True)
+    close(got.double(), sum(all_hn[s] for s in IN), 4 * tol)
+    bf.barrier()
     bf.win_free(nm + ".neg")
 
 # -- a complex window: graph weights, then accumulates (MPI sums C_DOUBLE_COMPLEX) --------------
