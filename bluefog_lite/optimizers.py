@@ -1054,6 +1054,8 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._local_step = _no_step_rule(exc)
         self._updated = set()
         self._grads_used = {}    # name -> (parameter, gradient, its version) its hook stepped with (_own_version)
+        self._stepped_with = {}  # name -> (weak reference to the gradient its last local step used, its version)
+        self._fresh_only = False     # (in synchronize(): see there)
         # by index: load_state_dict (broadcast_optimizer_state) replaces the group dicts
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._group_of = {name: group_of[id(p)] for name, p in self._named}
@@ -1091,6 +1093,7 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
             self._grads_used.clear()
         self._updated.add(name)
         self._grads_used[name] = (p, grad, _own_version(grad))
+        self._stepped_with[name] = (weakref.ref(grad), grad._version)
         if self._communicating():
             self._launched.add(name)
             self._launch(name, p)
@@ -1110,11 +1113,32 @@ class DistributedAdaptThenCombineOptimizer(_ParameterCommunicator):
         whose gradient is not None, momentum and weight decay included)."""
         with torch.no_grad():
             for name, p in self._named:
-                if name not in self._updated and p.grad is not None:
+                if name not in self._updated and p.grad is not None and not (
+                        self._fresh_only and self._stepped_before(name, p.grad)):
                     self._local_step(p, p.grad, self.optimizer.param_groups[self._group_of[name]],
                                      self.optimizer.state[p])
+                    self._stepped_with[name] = (weakref.ref(p.grad), p.grad._version)
                     self._updated.add(name)
         super()._launch_rest()
+
+    def _stepped_before(self, name, grad):
+        """A local step has used grad already (the same tensor, unchanged since)."""
+        ref, version = self._stepped_with.get(name, (None, None))
+        return ref is not None and ref() is grad and grad._version == version
+
+    def synchronize(self):
+        """As the other wrappers' (see there). Its local steps of the parameters this
+        round's backward pass did not reach take only gradients no local step has used:
+        after a pass whose loss was skipped (NaN) or whose backward raised before the
+        gradients were cleared, or a forward pass for logging, the previous step's
+        gradients are still there, and stepping with them again was a step the agent
+        never took (step() does, as torch's optimizers step with whatever gradient is
+        there)."""
+        self._fresh_only = True
+        try:
+            super().synchronize()
+        finally:
+            self._fresh_only = False
 
     def _round_over(self):
         super()._round_over()
@@ -1415,16 +1439,35 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
                     "model.to(memory_format=...) or vector_to_parameters): the combination would not reach the "
                     "model. Create the wrapper after moving the model")
 
+    _barrier_made = False     # force_barrier: this round's barrier is made (see _forced_barrier)
+
+    def _forced_barrier(self):
+        """force_barrier: one barrier per round, made by step(), or by the synchronize()
+        that ends a round after a pass of the model (an agent that skips step(), the
+        gradient-scaler pattern), whichever comes first; not by a synchronize() after
+        only zero_grad() (one agent's before saving a checkpoint)."""
+        if self.force_barrier:
+            self._barrier_made = True
+            ops.barrier()
+
+    def _activity(self):
+        if self._synced:    # (a synchronize() ended the last round: this begins the next)
+            self._barrier_made = False
+        super()._activity()
+
+    def _finish_step(self, refusal=None):
+        self._barrier_made = False
+        super()._finish_step(refusal)
+
     def synchronize(self):
-        if self.force_barrier and not (self._stepped or self._synced):
-            ops.barrier()       # (it ends the round: its step() will not, see step())
+        if not (self._stepped or self._synced or self._barrier_made) and (self._forwards[-1] or self._frozen_pass):
+            self._forced_barrier()
         super().synchronize()
 
     def step(self, closure=None):
-        if self.force_barrier and not self._synced:
-            # once per round: after a synchronize() that ended the round (the gradient-scaler
-            # pattern) that call made it, as it does for an agent that skips step()
-            ops.barrier()
+        # (a round ended by synchronize() had its barrier there, unless a closure begins the next)
+        if not self._barrier_made or (closure is not None and self._synced):
+            self._forced_barrier()
         loss = self._run_closure(closure)
         refusal, refused = self._refusal()
         if self._communicating() and not self._skip_sync:

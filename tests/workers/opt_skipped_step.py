@@ -301,6 +301,26 @@ for wrapper in (bf.DistributedAdaptThenCombineOptimizer, bf.DistributedAdaptWith
                                    rtol=1e-12, atol=1e-12, err_msg=f"{wrapper.__name__}, step {s}")
     opt.remove_hooks()
 
+# ATC with the gradients cleared between the loss and backward(): the skipping agent still
+# holds the previous step's gradients; synchronize() communicates without stepping with them
+# again (it did: a step the agent never took); lr = 0.1, d loss / d w = [3, 3] on every agent
+lin = line()
+opt = bf.DistributedAdaptThenCombineOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), lin)
+want = x0.copy()
+for s in range(1, 5):
+    loss = lin(torch.ones(3, 2, dtype=torch.float64)).sum()
+    skipping = s == 3
+    if skipping and rank == 2:
+        opt.synchronize()
+    else:
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want = W.T @ (want - 0.3 * np.array([[0.0 if skipping and r == 2 else 1.0] for r in range(size)]))
+    np.testing.assert_allclose(lin.weight.detach().numpy().ravel(), want[rank], rtol=1e-12, atol=1e-12,
+                               err_msg=f"ATC with stale gradients, step {s}")
+opt.remove_hooks()
+
 # WinPut, num_steps_per_communication=2, synchronize(); skip_synchronize() step() (the
 # gradient-scaler pattern): synchronize() combined in every step, not in steps 2 and 4
 for pattern in ("step", "synchronize"):
@@ -346,6 +366,24 @@ for s in range(4):
     else:
         opt.step()
 assert bf.allreduce(torch.ones(1), average=False, name="forced.after").item() == size      # (still paired)
+# a closure that raises on one agent inside step(), which made the round's barrier: its
+# synchronize() makes none; one agent's synchronize() after only zero_grad() makes none
+for s in range(3):
+    def closure():
+        opt.zero_grad()
+        out = lin(torch.ones(3, 2, dtype=torch.float64)).sum()
+        if rank == 3 and s == 1:
+            raise FloatingPointError("non-finite loss")
+        out.backward()
+        return out
+    try:
+        opt.step(closure)
+    except FloatingPointError:
+        opt.synchronize()
+opt.zero_grad()
+if rank == 0:
+    opt.synchronize()   # (before saving a checkpoint, say)
+assert bf.allreduce(torch.ones(1), average=False, name="forced.after2").item() == size
 opt.remove_hooks()
 opt.free_windows()
 
