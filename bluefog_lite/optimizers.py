@@ -1465,8 +1465,9 @@ class DistributedWinPutOptimizer(_ForwardCounted, _DistributedOptimizer):
         super().synchronize()
 
     def step(self, closure=None):
-        # (a round ended by synchronize() had its barrier there, unless a closure begins the next)
-        if not self._barrier_made or (closure is not None and self._synced):
+        if closure is not None and self._synced:
+            self._activity()    # (the closure's pass begins the round after one synchronize() ended)
+        if not self._barrier_made:      # (else the synchronize() that ended this round made it)
             self._forced_barrier()
         loss = self._run_closure(closure)
         refusal, refused = self._refusal()

@@ -367,15 +367,20 @@ for s in range(4):
         opt.step()
 assert bf.allreduce(torch.ones(1), average=False, name="forced.after").item() == size      # (still paired)
 # a closure that raises on one agent inside step(), which made the round's barrier: its
-# synchronize() makes none; one agent's synchronize() after only zero_grad() makes none
-for s in range(3):
+# synchronize() makes none (also right after a round it skipped with synchronize());
+# one agent's synchronize() after only zero_grad() makes none
+for s in range(4):
     def closure():
         opt.zero_grad()
         out = lin(torch.ones(3, 2, dtype=torch.float64)).sum()
-        if rank == 3 and s == 1:
+        if rank == 3 and s in (1, 3):
             raise FloatingPointError("non-finite loss")
         out.backward()
         return out
+    if rank == 3 and s == 2:    # (skipped with synchronize(); the closure of the next round raises)
+        lin(torch.ones(3, 2, dtype=torch.float64))
+        opt.synchronize()
+        continue
     try:
         opt.step(closure)
     except FloatingPointError:
