@@ -13,6 +13,7 @@ the wrapped optimizer, so schedulers, checkpoints and loops keep working.
 """
 import contextlib
 import enum
+import functools
 import numbers
 import weakref
 import warnings
@@ -1260,9 +1261,15 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             p.grad = torch.zeros_like(p)
             self._filled.add(id(p))
         elif p.grad.layout is not torch.strided:
-            raise TypeError(f"parameter {name!r} has a {p.grad.layout} gradient: "
-                            f"{type(self).__name__} averages dense gradients only (e.g. nn.Embedding(..., "
-                            "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, WinPut)")
+            # refused inside the allreduce (raised at step() or synchronize()), which the other
+            # agents make too: one with a dense gradient here (unused: zeros) would wait for it
+            error = TypeError(f"parameter {name!r} has a {p.grad.layout} gradient: "
+                              f"{type(self).__name__} averages dense gradients only (e.g. nn.Embedding(..., "
+                              "sparse=False)), or use an optimizer that communicates parameters (AWC, ATC, "
+                              "WinPut)")
+            with self._named_after(name):
+                self._started(name, p, ops._collective("ALLREDUCE", name, functools.partial(_raise, error)))
+            return
         g = p.grad
         with self._named_after(name):
             h = ops.allreduce_nonblocking(g, average=True, name=name)
@@ -1348,6 +1355,10 @@ class DistributedGradientAllreduceOptimizer(_DistributedOptimizer):
             self.optimizer.step()
         self._finish_step(refusal)
         return loss
+
+
+def _raise(error):
+    raise error
 
 
 class _GradientChanged(RuntimeError):

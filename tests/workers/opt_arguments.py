@@ -113,12 +113,29 @@ second = ATC(sgd(net.parameters()), net)      # after remove_hooks, a new one ma
 second.remove_hooks()
 raises(RuntimeError, "hooks were removed", second.step)   # ATC's local steps ran in its hooks
 
-# a sparse gradient cannot be averaged by allreduce: named, on every agent, in the backward pass
+# a sparse gradient cannot be averaged by allreduce: named, on every agent, at step(); with
+# the embedding unused on one agent (its gradient: dense zeros), that agent raises naming
+# the other instead of waiting for it; the next step works
 emb = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+bf.broadcast_parameters(emb.state_dict(), 0)
 gar = GAR(sgd(emb.parameters()), emb)
-raises(TypeError, "parameter '0.weight' has a torch.sparse_coo gradient: DistributedGradientAllreduceOptimizer "
-       "averages dense gradients only", lambda: emb(torch.tensor([1, 2])).sum().backward())
-gar.remove_hooks()      # (finishes 1.weight's allreduce, started before the error)
+SPARSE = "parameter '0.weight' has a torch.sparse_coo gradient: DistributedGradientAllreduceOptimizer averages " \
+    "dense gradients only"
+emb(torch.tensor([1, 2])).sum().backward()
+raises(TypeError, SPARSE, gar.step)
+gar.zero_grad()
+if bf.rank() == 0:
+    emb[1](torch.ones(2, 4)).sum().backward()
+    raises(ValueError, f"failed on every agent because of bad input (rank 1: TypeError: {SPARSE}", gar.step)
+else:
+    emb(torch.tensor([1, 2])).sum().backward()
+    raises(TypeError, SPARSE, gar.step)
+gar.zero_grad()
+emb[1](torch.full((2, 4), float(bf.rank()))).sum().backward()
+gar.step()
+rows = bf.allgather(torch.cat([p.detach().reshape(1, -1) for p in emb.parameters()], 1), name="sparse.after")
+assert torch.equal(rows[0], rows[1]), "the models differ after the refused steps"
+gar.remove_hooks()
 
 # a copy of a wrapped model (copy.deepcopy, torch.save/load) does not start the original's communication
 import copy  # noqa: E402
