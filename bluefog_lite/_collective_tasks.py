@@ -7,7 +7,7 @@ import torch
 from ._devices import copied
 from ._mpi import MPI
 from ._neighbor_tasks import mark_sends
-from ._stream import dtype_name, tensor_bytes
+from ._stream import copy_into, dtype_name, tensor_bytes
 from ._tasks import (_HALVES, _meta, _meta_text, _phase, _same_meta_or_raise, exchange_headers, mpi_turn,
                      skipped_collective)
 from ._waits import Requests
@@ -78,9 +78,7 @@ def allreduce(eng, op, x, average, target):
             else:
                 out.div_(eng.size, rounding_mode="floor")
     if target is not None and out is not target:
-        # (casts a widened sum back; a cast into a tensor with the negative bit (z.conj().imag
-        # of a complex32 z) ignores the bit in torch: cast first, then copy)
-        target.copy_(out.to(target.dtype) if target.is_neg() else out)
+        copy_into(target, out)      # (casts a widened sum back)
         return target
     return out if out.dtype == dtype else out.to(dtype)
 

@@ -88,6 +88,13 @@ def plain(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
+def copy_into(target, value):
+    """target.copy_(value), also into a target with the neg bit (z.conj().imag of a
+    complex32 z): torch ignores the bit when copy_ casts into it, so a value of
+    another dtype is cast first."""
+    target.copy_(value.to(target.dtype) if target.is_neg() else value)
+
+
 def tensor_bytes(t):
     """A flat uint8 numpy view of a contiguous CPU tensor (no copy)."""
     if not t.numel():

@@ -31,7 +31,7 @@ from ._arguments import _fits_scaled
 from ._stalls import OpTimeout
 from ._waits import Requests, Sleep
 from ._mpi import MPI
-from ._stream import plain
+from ._stream import copy_into, plain
 from ._neighbor_tasks import scaled
 from ._tasks import _phase, exchange_headers, failed_everywhere, mpi_turn, skipped_collective, weighted_sum
 
@@ -195,7 +195,7 @@ def _publish(win):
     with it (a put's self_weight scales p and the tensor, not the exposed copy)."""
     if win.nbytes:
         t = win.tensor.detach()
-        win.exposed.copy_(t.resolve_neg() if t.is_neg() else t)    # (a cast ignores the neg bit: see update)
+        win.exposed.copy_(t.resolve_neg() if t.is_neg() else t)    # (a cast ignores the neg bit: see copy_into)
     win.exposed_p[0] = win.p[0]
     win.win.Sync()      # local stores visible to RMA readers (separate memory model)
 
@@ -577,8 +577,7 @@ def update(eng, op, win, self_weight, nbr_weights, reset, clone, require_mutex, 
             terms = [(win.buffers[i], w) for i, w in used]
             try:
                 if acc is not None:
-                    result = weighted_sum(acc, acc, self_weight, terms)     # (neg bit: see _collective_tasks)
-                    out.copy_(result.to(out.dtype) if out.is_neg() else result)
+                    copy_into(out, weighted_sum(acc, acc, self_weight, terms))
                 else:
                     weighted_sum(out, x, self_weight, terms)
             except ValueError as exc:     # (an integer window's sum out of its range)
