@@ -70,8 +70,11 @@ class CallerDrive:
         """A caller releases the drive lock: if the thread sleeps, wake it for what is
         left (handing the loop back), or let it idle."""
         left = False
+        self._quick_hold = False
         if self._sleeping:
-            left = bool(self._queue or self._expects_news())
+            # (unposted: a neighbor's large tensor announced meanwhile, whose sender waits
+            # until its receive is posted)
+            left = bool(self._queue or self._expects_news() or self.stream.unposted)
             if not left:
                 self.doorbell.asleep(URGENT_ONLY)     # (see _sleep)
                 self._rung = False    # the next submit rings (a ring may have gone to the caller)
@@ -104,6 +107,7 @@ class CallerDrive:
                 self._wake()
             return False
         self.driven_by_callers += 1
+        self._quick_hold = True
         self.doorbell.asleep(0)      # peers need not ring while this thread runs the loop
         return True
 
@@ -152,6 +156,7 @@ class CallerDrive:
         """Under hold_if_idle: make the call an operation (task as for submit; name is
         already in use; data_requests: its large sends in flight), run the loop until
         it is done, let go. Returns its handle for synchronize."""
+        self._quick_hold = False     # (the loop may sleep on the bell)
         try:
             with self._lock:
                 op = self._new_op(name, kind)

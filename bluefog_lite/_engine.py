@@ -203,6 +203,7 @@ class Engine(CallerDrive, StallInspector):
         self._drive = threading.Lock()  # held by the thread running the loop (see the module doc)
         self._driver = None            # the caller thread holding it (None: the communication thread, or none)
         self._handback = threading.Event()  # a caller let go of the loop and left work in it
+        self._quick_hold = False       # the loop is held for a call of _quick.py (its caller never sleeps on the bell)
         self._last_inspect = time.monotonic()
         self.driven_by_callers = 0     # blocking operations whose caller ran the loop
         self.doorbell = Doorbell(comm)
@@ -536,13 +537,34 @@ class Engine(CallerDrive, StallInspector):
         while a caller runs the loop, it leaves the bell to that caller (the ring may
         be for it, about to sleep on it) and waits for the caller to hand the loop
         back (or for timeout, then looks again): taking the lock whenever the caller
-        lets go would take the caller's next operation from it."""
+        lets go would take the caller's next operation from it.
+
+        A caller holding the loop for a call of _quick.py never sleeps on the bell, so
+        the ring is not its: a neighbor's descriptor for the caller's next call, come
+        between two calls (an idle agent is rung for those), which that call receives.
+        Left in the socket, it kept this thread looking every 2 ms through a loop of
+        blocking calls until it took the loop in a gap between two of them (and the
+        next call went the general way); it is drained instead. A caller holding the
+        loop makes the progress a poke would and hands the loop back when it leaves
+        anything in flight or announced (_let_go), so while it holds the loop, the
+        thread sleeps on the bell as long as an idle one: rings that come once the
+        caller has let go wake it. (A descriptor that rang it and that the caller's
+        call did not receive, taking inputs that were in already, waits for that
+        sleep, the idle poke, if the caller makes no call meanwhile.)"""
         bell, drive = self.doorbell, self._drive
-        bell.wait(timeout, drain=False)
+        rung = bell.wait(timeout, drain=False)
         self.wakeups += 1
-        while not drive.acquire(False):      # (its callers' rings meanwhile wait in the socket)
-            self._handback.wait(min(timeout, self.progress_poke_s))
-            self._handback.clear()
+        while not drive.acquire(False):
+            if rung and self._quick_hold:
+                bell.drain()
+                rung = False
+            if rung:     # (the caller's rings meanwhile wait in the socket)
+                self._handback.wait(min(timeout, self.progress_poke_s))
+                self._handback.clear()
+                rung = bell.wait(0, drain=False)
+            else:
+                rung = bell.wait(self.idle_poke_s if bell.covers_all else timeout, drain=False)
+                self.wakeups += 1
         bell.drain()
 
     def _backoff_ends(self):

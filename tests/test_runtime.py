@@ -209,7 +209,7 @@ def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
     assert "INTERRUPTED" in out
 
 
-@pytest.mark.parametrize("case", ["missed_look", "handback", "many_files"])
+@pytest.mark.parametrize("case", ["missed_look", "handback", "announced", "many_files"])
 def test_the_communication_thread_wakes_for_its_work(case):
     """tests/workers/runtime_wakeups.py: with the MPI pokes at 1 s, no operation
     waits for one (a lost wake-up) and a doorbell descriptor >= 1024 works."""
@@ -218,6 +218,10 @@ def test_the_communication_thread_wakes_for_its_work(case):
 
 def test_idle_thread_sleeps_long_and_still_takes_operations():
     run_agents(4, "runtime_idle.py", timeout=90)
+
+
+def test_a_loop_of_quick_calls_lets_the_communication_thread_sleep():
+    run_agents(4, "runtime_quick_loop.py", timeout=90)
 
 
 def test_byte_and_switch_variables_are_checked(monkeypatch):

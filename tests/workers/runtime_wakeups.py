@@ -10,6 +10,10 @@ handback: rank 1's main thread runs a blocking call's loop itself while another
     thread's ring wakes the sleeping communication thread, which then waits for the
     caller to hand the loop back; the caller lets go with nothing left, and the
     other thread's next operation must still wake it (it waited 1 s).
+announced: rank 0 holds the loop for a quick call while rank 1's large tensor is
+    announced to it (its flag is down then: no ring), and lets go without taking
+    it; rank 1's send waits until rank 0 posts the receive, which the thread must
+    do at once (it slept until its poke, or rank 0's next call).
 many_files: the process has more than 1024 files open at init: the doorbell's
     descriptor is >= 1024, which select() refused (the job aborted)."""
 import os
@@ -88,6 +92,34 @@ elif case == "handback":
             time.sleep(0.05)
             for h in [bf.neighbor_allreduce_nonblocking(torch.ones(4), name=f"{n}{trial}") for n in "CAB"]:
                 bf.synchronize(h)
+elif case == "announced":
+    big = torch.ones(1 << 17)        # 512 KB: its own message, announced by a descriptor
+    # a pooled buffer of that size for rank 0 to receive into ahead of its call (_posting.py)
+    assert torch.equal(bf.neighbor_allreduce(big, name="warm"), big)
+    for trial in range(3):
+        bf.barrier()
+        if r == 0:
+            deadline = time.monotonic() + 5
+            while not eng.hold_if_idle("hold"):      # (the thread may still finish the barrier)
+                assert time.monotonic() < deadline, "the engine never became idle"
+                time.sleep(0.001)
+            s = eng.stream
+            while not s.unposted:       # rank 1's descriptor, received while holding the loop
+                assert time.monotonic() < deadline, "rank 1's descriptor never came"
+                s.receive(eng._caller_status)
+                time.sleep(0.001)
+            eng.release_hold("hold")
+            time.sleep(2 * LOST)       # no MPI calls: only the thread can post the receive
+            y = bf.neighbor_allreduce(torch.zeros_like(big), self_weight=0.5, src_weights={1: 0.5},
+                                      dst_weights={}, enable_topo_check=False, name=f"big{trial}")
+            assert torch.equal(y, torch.full_like(big, 0.5)), y
+        else:
+            time.sleep(0.05)            # (rank 0 holds the loop by then)
+            t = time.monotonic()
+            bf.neighbor_allreduce(big, self_weight=1.0, src_weights={}, dst_weights={0: 1.0},
+                                  enable_topo_check=False, name=f"big{trial}")
+            took = time.monotonic() - t
+            assert took < LOST, f"the send took {took:.3f} s: rank 0 left the announced tensor unposted"
 bf.barrier()
 bf.shutdown()
 print(f"AGENT OK {r}", flush=True)
