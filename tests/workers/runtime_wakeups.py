@@ -14,7 +14,8 @@ announced: rank 0 holds the loop for a quick call while rank 1's large tensor is
     announced to it (its flag is down then: no ring), and lets go without taking
     it; rank 1's send waits until rank 0 posts the receive, which the thread must
     do at once (it slept until its poke, or rank 0's next call). Rank 1 keeps the
-    usual pokes.
+    usual pokes. A trial whose descriptor the thread took before the hold (a slow
+    barrier) tests nothing; at least one of five must not be one.
 many_files: the process has more than 1024 files open at init: the doorbell's
     descriptor is >= 1024, which select() refused (the job aborted)."""
 import os
@@ -98,7 +99,8 @@ elif case == "announced":
     big = torch.ones(1 << 17)        # 512 KB: its own message, announced by a descriptor
     # a pooled buffer of that size for rank 0 to receive into ahead of its call (_posting.py)
     assert torch.equal(bf.neighbor_allreduce(big, name="warm"), big)
-    for trial in range(3):
+    exercised = 0
+    for trial in range(5):
         bf.barrier()
         if r == 0:
             deadline = time.monotonic() + 5
@@ -106,10 +108,12 @@ elif case == "announced":
                 assert time.monotonic() < deadline, "the engine never became idle"
                 time.sleep(0.001)
             s = eng.stream
-            while not s.unposted:       # rank 1's descriptor, received while holding the loop
+            key = (1, f"big{trial}")
+            while not s.unposted and not s.inbox.get(key):   # rank 1's descriptor, received while holding
                 assert time.monotonic() < deadline, "rank 1's descriptor never came"
                 s.receive(eng._caller_status)
                 time.sleep(0.001)
+            exercised += bool(s.unposted)     # (else the thread took it before the hold: a slow barrier)
             eng.release_hold("hold")
             time.sleep(2 * LOST)       # no MPI calls: only the thread can post the receive
             y = bf.neighbor_allreduce(torch.zeros_like(big), self_weight=0.5, src_weights={1: 0.5},
@@ -119,12 +123,13 @@ elif case == "announced":
             # (the sender's own wait for its send keeps the usual pokes: a ring back it misses
             # costs ~2 ms, not the 1 s that would hide what rank 0 does)
             eng.idle_poke_s, eng.progress_poke_s = defaults
-            time.sleep(0.05)            # (rank 0 holds the loop by then)
+            time.sleep(0.2)            # (rank 0 holds the loop by then, unless its barrier was slow)
             t = time.monotonic()
             bf.neighbor_allreduce(big, self_weight=1.0, src_weights={}, dst_weights={0: 1.0},
                                   enable_topo_check=False, name=f"big{trial}")
             took = time.monotonic() - t
             assert took < LOST, f"the send took {took:.3f} s: rank 0 left the announced tensor unposted"
+    assert r != 0 or exercised, "rank 1's tensor never came while rank 0 held the loop: the test tested nothing"
 bf.barrier()
 bf.shutdown()
 print(f"AGENT OK {r}", flush=True)
