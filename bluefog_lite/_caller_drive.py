@@ -128,20 +128,30 @@ class CallerDrive:
         entries = self._take_all(keys)
         if entries is not None:
             return entries
+        moved = self.stream.receive(self._caller_status)
+        moved = self.held_post(keys) or moved
+        return self._take_all(keys) if moved else None
+
+    def held_post(self, keys):
+        """Under hold_if_idle: post the receives of the call's own large inputs (keys:
+        (src, name)) whose descriptors are in, the next of their keys from their
+        senders, and ring back the senders of those that are in. True if any was
+        posted or came in."""
         s = self.stream
-        moved = s.receive(self._caller_status)
-        if moved and s.unposted:
+        moved = False
+        if s.unposted:
             wanted, left = set(keys), []
             for large in s.unposted:
                 if wanted.issuperset(large.keys) and _posting.next_of_its_keys(s.inbox, large):
                     s.post(large)
+                    moved = True
                 else:
                     left.append(large)
             s.unposted = left
         if s.pending_recvs and s.test_recvs():
             self.ring_peers()
             moved = True
-        return self._take_all(keys) if moved else None
+        return moved
 
     def held_interrupted(self, large=False):
         """Under hold_if_idle: True once the loop is needed for something else (an

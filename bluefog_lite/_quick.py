@@ -40,7 +40,8 @@ import torch
 
 from . import _neighbor_tasks
 from ._mpi import MPI
-from ._stream import STREAM_TAG, dtype_name, tensor_bytes
+from ._stream import STREAM_TAG, Entry, _as_tensor, dtype_name, tensor_bytes
+from ._tasks import weighted_sum
 from .timeline import _recorder as tl
 
 _yield = os.sched_yield
@@ -245,10 +246,21 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     eng.ring_peers()
     keys = [(src, name) for src in recv_from]
     window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
-    entries = _inputs(eng, keys, window)
-    if entries is None:
-        return out, lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
-    _neighbor_tasks.average_of(call, x, out, self_weight, src_weights, entries)
+    since = _monotonic()
+    got = _received(eng, name, meta, x.numel() * x.element_size(), recv_from, window)
+    if got is not None:
+        s.stats["quick_received"] += 1
+        try:
+            weighted_sum(out, x, self_weight, [(t, src_weights.get(src, 0.0)) for src, t in zip(recv_from, got[0])])
+        finally:
+            for release in got[1]:
+                release()
+    else:
+        entries = _inputs(eng, keys, window - (_monotonic() - since))
+        if entries is None:
+            return out, lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(
+                e, op, x, out, self_weight, src_weights, keys)
+        _neighbor_tasks.average_of(call, x, out, self_weight, src_weights, entries)
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left
@@ -293,6 +305,71 @@ def _inputs(eng, keys, window):
             reqs = None
         if _monotonic() - since > window or eng.held_interrupted(True):
             return None
+
+
+def _received(eng, name, meta, nbytes, recv_from, window):
+    """The in-neighbors' tensors of a large call: (tensors in recv_from's order, the
+    functions that give their memory back); or None, with what was received filed in
+    the inbox, when an input is not the expected one or the call gives up (_inputs
+    then goes on the general way, with what is left of the window). An input whose
+    descriptor comes during the call is received without an inbox entry (its receive
+    posted as soon as its descriptor is read); one that came before it (a neighbor
+    ahead) is taken from the inbox, its receive posted as held_take posts it."""
+    s = eng.stream
+    inbox = s.inbox
+    ahead = []     # keys of the inputs that came before the call
+    for src in recv_from:
+        q = inbox.get((src, name))
+        if q:
+            e = q[0]
+            if e.__class__ is not Entry or e.meta != meta or e.sent_by is not None:
+                return None     # (a fused group's member, another shape or operation: the general way says)
+            ahead.append((src, name))
+    head = s.large_head(name, meta, nbytes)
+    wanted, found, reqs = set(recv_from).difference(src for src, _ in ahead), [], None
+    testall, receive = MPI.Request.Testall, s.receive_large
+    since = _monotonic()
+    try:
+        while True:
+            if wanted:
+                if not receive(_status, name, head, nbytes, wanted, found):
+                    break
+            if ahead:
+                eng.held_post(ahead)
+            if not wanted and all(inbox[k][0].ready for k in ahead):
+                if reqs is None:
+                    reqs = [f[1] for f in found]
+                if testall(reqs):
+                    return _taken(eng, meta, recv_from, found, ahead)
+            if _monotonic() - since > window or eng.held_interrupted(True):
+                break
+            _yield()
+    except BaseException:     # (an interrupt: MPI may still write into the posted buffers)
+        s.put_back_large(found, name, meta)
+        raise
+    if found:
+        s.stats["quick_put_back"] += 1
+        s.put_back_large(found, name, meta)
+    return None
+
+
+def _taken(eng, meta, recv_from, found, ahead):
+    """_received's result once every input is in: found's buffers as tensors, the
+    entries under the keys ahead taken from the inbox; found's senders rung back
+    (they wait for their sends)."""
+    s = eng.stream
+    inbox = s.inbox
+    got = {src: (_as_tensor(buf, meta), release) for src, _, buf, release in found}
+    for k in ahead:
+        q = inbox[k]
+        e = q.popleft()
+        if not q:
+            del inbox[k]
+        got[e.src] = (e.value, e.release)
+    s.to_ring.update(f[0] for f in found)
+    eng.ring_peers()
+    done = [got[src] for src in recv_from]
+    return [d[0] for d in done], [d[1] for d in done]
 
 
 def _receiving(s, keys):

@@ -338,13 +338,18 @@ class StreamEndpoint:
         if dst in self.outboxes:     # what was queued before goes first
             self.flush_one(dst)
         tag = self._data_tag(dst)
-        entries = ((key, _KIND_TENSOR, meta, ("t", 0, raw.nbytes)),)
+        self.send_packet(dst, self.large_head(key, meta, raw.nbytes) + _tag_piece(tag))
+        self.to_ring.add(dst)
+        self._send_data(dst, tag, raw, tensor, data_requests)
+
+    def large_head(self, key, meta, nbytes):
+        """The header of the descriptor packet of one large tensor under key (dtype and
+        shape ``meta``, ``nbytes`` bytes), as send_large sends it before the data's tag."""
+        entries = ((key, _KIND_TENSOR, meta, ("t", 0, nbytes)),)
         head = self._packed_headers.get(entries)
         if head is None:
             head = self._packed(list(entries))     # (the header pickles a list, as flush_one's)
-        self.send_packet(dst, head + _tag_piece(tag))
-        self.to_ring.add(dst)
-        self._send_data(dst, tag, raw, tensor, data_requests)
+        return head
 
     def _data_tag(self, dst):
         """The next private tag of a large message to dst."""
@@ -424,7 +429,24 @@ class StreamEndpoint:
         reads them without an Entry (the tensor's bytes start at len(head)). False
         if a packet under key from a rank in wanted was not such a packet (then
         put_back found: the caller goes the general way)."""
+        return self._receive_expected(status, key, head, size, wanted, lambda src, packet: (src, packet), found)
+
+    def receive_large(self, status, key, head, nbytes, wanted, found):
+        """receive_small for the descriptors of large tensors of nbytes under key with
+        this header (large_head): the receive of each one's data is posted at once into
+        a pooled buffer, without an Entry, and found gets (rank, request, buffer,
+        release). False as receive_small's (then put_back_large found)."""
+        def post(src, packet):
+            buf, release = self.pool.take(nbytes)
+            tag = _TAG.unpack_from(packet, len(head))[0]
+            return src, self.comm.Irecv([buf, nbytes, _BYTE], src, tag), buf, release
+        return self._receive_expected(status, key, head, len(head) + _ALIGN, wanted, post, found)
+
+    def _receive_expected(self, status, key, head, size, wanted, take, found):
+        """receive_small and receive_large: found gets take(rank, packet) for each
+        expected packet."""
         improbe, inbox = self.comm.Improbe, self.inbox
+        n = len(head)
         regular = True
         msg = improbe(_ANY_SOURCE, STREAM_TAG, status)
         while msg is not None:
@@ -432,8 +454,8 @@ class StreamEndpoint:
             msg.Recv([packet, _BYTE])
             src = status.Get_source()
             if (src in wanted and packet.size == size and not inbox.get((src, key))
-                    and packet[:len(head)].tobytes() == head):
-                found.append((src, packet))
+                    and packet[:n].tobytes() == head):
+                found.append(take(src, packet))
                 wanted.discard(src)
             else:
                 self._unpack(src, packet)
@@ -448,6 +470,15 @@ class StreamEndpoint:
         for src, packet in found:
             self._unpack(src, packet)
             self.inbox[(src, key)].rotate(1)     # (anything filed under it came later)
+
+    def put_back_large(self, found, key, meta):
+        """File what receive_large put in found in the inbox, each first under its
+        (rank, key), with its receive pending, as receive() and post() would have."""
+        for src, req, buf, release in found:
+            entry = Entry(src, key, meta, True)
+            entry.value, entry._release = _as_tensor(buf, meta), release
+            self.pending_recvs.append((req, entry))
+            self.inbox[(src, key)].appendleft(entry)     # (anything filed under it came later)
 
     def flush_all(self):
         sent = False

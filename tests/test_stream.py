@@ -161,3 +161,65 @@ def test_receive_small_says_when_a_wanted_rank_sent_something_else_under_the_nam
     assert not s.receive_small(_Status(), "w", head, s.small_size(head, 16), wanted, found)
     assert wanted == {2} and [src for src, _ in found] == [1]
     assert s.inbox[(2, "w")][0].meta == ("float32", (5,))    # for the general path's message
+
+
+class PostingComm(InboundComm):
+    """InboundComm that also records the receives posted: (buffer, nbytes, src, tag)."""
+
+    def __init__(self, packets):
+        super().__init__(packets)
+        self.posted = []
+
+    def Irecv(self, buf, src, tag):
+        self.posted.append((buf[0], buf[1], src, tag))
+        return _Request()
+
+
+def descriptors(sends):
+    """The descriptor packets of large tensors: sends is [(src, name, tensor)], in the
+    order the packets arrive; each src sends with its own data tags (2, 3, ...)."""
+    makers, packets = {}, []
+    for src, name, t in sends:
+        comm = RecordingComm()
+        maker = makers.setdefault(src, endpoint(comm))
+        maker.comm = comm
+        maker.send_large(0, name, ("float32", tuple(t.shape)), t.numpy().view(np.uint8).reshape(-1), t, [])
+        packets.append((src, comm.sent[0][0]))      # (the descriptor: the data message follows it)
+    return packets
+
+
+def test_receive_large_posts_the_expected_descriptors_data_and_files_everything_else():
+    x = torch.ones(1 << 15)      # 128 KB
+    packets = descriptors([(3, "v", x), (1, "w", x), (1, "w", x), (4, "w", x[:10]), (2, "w", x)])
+    comm = PostingComm(packets)
+    s = StreamEndpoint(comm, 8 << 20, 64 << 10, BufferPool(1 << 20))
+    meta = ("float32", (1 << 15,))
+    head = s.large_head("w", meta, 1 << 17)
+    wanted, found = {1, 2, 5}, []
+    assert s.receive_large(_Status(), "w", head, 1 << 17, wanted, found)
+    assert wanted == {5} and [f[0] for f in found] == [1, 2]
+    # each one's data posted at once into its own buffer, on the tag its descriptor names
+    assert [(n, src, tag) for _, n, src, tag in comm.posted] == [(1 << 17, 1, 2), (1 << 17, 2, 2)]
+    assert [f[2] for f in found] == [p[0] for p in comm.posted]
+    # filed as receive() files them: rank 1's next round, another name, a rank not wanted
+    assert [(large.keys, large.tag) for large in s.unposted] == [([(3, "v")], 2), ([(1, "w")], 3), ([(4, "w")], 2)]
+    assert len(s.inbox[(1, "w")]) == 1 and (2, "w") not in s.inbox
+    s.put_back_large(found, "w", meta)     # the call goes the general way: its receives stay posted
+    first = s.inbox[(1, "w")][0]
+    assert first.meta == meta and first.value.shape == (1 << 15,) and not first.ready
+    assert first.value.numpy().base is not None and np.shares_memory(first.value.numpy(), found[0][2])
+    assert s.unposted[1].item is s.inbox[(1, "w")][1]      # the next round stays behind it
+    assert [e for _, e in s.pending_recvs] == [first, s.inbox[(2, "w")][0]]
+    assert s.test_recvs() and first.ready and s.to_ring == {1, 2}
+
+
+def test_receive_large_says_when_a_wanted_rank_sent_something_else_under_the_name():
+    x = torch.ones(1 << 15)
+    comm = PostingComm(descriptors([(2, "w", x[:20000]), (1, "w", x)]))
+    s = StreamEndpoint(comm, 8 << 20, 64 << 10, BufferPool(1 << 20))
+    head = s.large_head("w", ("float32", (1 << 15,)), 1 << 17)
+    wanted, found = {1, 2}, []
+    assert not s.receive_large(_Status(), "w", head, 1 << 17, wanted, found)
+    assert wanted == {2} and [f[0] for f in found] == [1]
+    assert s.inbox[(2, "w")][0].meta == ("float32", (20000,))    # for the general path's message
+    assert [large.keys for large in s.unposted] == [[(2, "w")]] and len(comm.posted) == 1

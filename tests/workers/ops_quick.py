@@ -8,12 +8,15 @@ data on a private tag) on the large quick path; 4's background operations stay
 small, so small and large ones interleave.
 
 1. A loop of blocking float32 4 KB calls (x <- W x, static Exp-2) matches numpy's
-   W^k x0, and most calls finished on the quick path (stream stats).
+   W^k x0, and most calls finished on the quick path (stream stats); large ones
+   received their inputs without inbox entries ("quick_received").
 2. Dynamic one-peer Exp-2 with scaled sends (dst_weights 0.5) and no topology
    check: every step matches numpy; quick path taken.
-3. A late neighbor: rank 0 sleeps 30 ms before each of 3 calls, so its
+3. A late neighbor: rank 0 sleeps 200 ms before each of 3 calls, so its
    out-neighbors' calls outlast the yield window and continue as operations of
-   the loop ("quick_continued"); results still right.
+   the loop ("quick_continued"); results still right. Large: the receives they
+   posted meanwhile for their other in-neighbors usually go to the loop with them
+   ("quick_put_back"; test_stream.py checks what it leaves).
 4. A second thread of every agent runs nonblocking operations under other names
    while the main thread makes blocking calls: every result right.
 5. A neighbor passing another shape: the receivers raise ValueError naming it,
@@ -64,12 +67,17 @@ def taken():
 
 
 taken0, steps = taken(), 100
+finished0 = stats["quick"]
 for _ in range(steps):
     x = bf.neighbor_allreduce(x, name="loop")
 want = np.linalg.matrix_power(mix, steps) @ x0.astype(np.float64)
 assert np.allclose(x.numpy(), want[r], rtol=1e-4, atol=1e-5), f"rank {r}: static loop diverged from W^k x0"
 quick = taken() - taken0
 assert quick >= steps // 2, f"rank {r}: only {quick} of {steps} calls took the quick path"
+if LARGE:     # most received their inputs without inbox entries (_quick._received)
+    finished = stats["quick"] - finished0
+    assert stats["quick_received"] >= max(1, finished // 2), \
+        f"rank {r}: {stats['quick_received']} of {finished} calls finished on the quick path received directly"
 
 # 2. dynamic one-peer schedule with scaled sends
 schedules = [topology.GetDynamicOnePeerSendRecvRanks(G, i) for i in range(n)]
