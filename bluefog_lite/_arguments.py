@@ -21,7 +21,7 @@ def _dense(t, what="tensor"):
     """t, if it is a dense tensor with data (on any device)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise TypeError(f"{what} is on the meta device (it has no data); pass a tensor with values")
     if t.is_nested:
         raise TypeError(f"{what} is a nested tensor; pass a dense tensor")
@@ -54,10 +54,11 @@ def _flag(value, what):
 
 
 def _numeric(t, op):
-    if t.dtype == torch.bool:
+    dtype = t.dtype
+    if dtype == torch.bool:
         raise TypeError(f"{op} cannot average bool tensors; convert to a numeric dtype")
-    if t.dtype not in _AVERAGEABLE:
-        raise TypeError(f"{op} cannot average {str(t.dtype).replace('torch.', '')} tensors; convert to "
+    if dtype not in _AVERAGEABLE:
+        raise TypeError(f"{op} cannot average {str(dtype).replace('torch.', '')} tensors; convert to "
                         "float32 (averaging takes floating-point, complex and integer tensors of the "
                         f"dtypes {sorted(str(d).replace('torch.', '') for d in _AVERAGEABLE)})")
     return t

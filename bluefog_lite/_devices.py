@@ -26,8 +26,9 @@ _pending = threading.local()    # .copy: the event of this thread's last copy ma
 
 
 def on_device(t):
-    """True for a tensor whose memory is not the host's."""
-    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+    """True for a tensor whose memory is not the host's. (is_cpu, not device.type:
+    making the device object costs ~7 us on the cold caches of a loop of large calls.)"""
+    return isinstance(t, torch.Tensor) and not t.is_cpu
 
 
 def to_host(t, name, later=False):

@@ -40,13 +40,14 @@ import torch
 
 from . import _neighbor_tasks
 from ._mpi import MPI
-from ._stream import STREAM_TAG, Entry, _as_tensor, dtype_name, tensor_bytes
+from ._stream import STREAM_TAG, Entry, _as_tensor, dtype_name
 from ._tasks import weighted_sum
 from .timeline import _recorder as tl
 
 _yield = os.sched_yield
 _monotonic = time.monotonic
 _ANY_SOURCE = MPI.ANY_SOURCE
+_from_address = MPI.buffer.fromaddress
 _status = MPI.Status()    # for the caller holding the loop (one at a time)
 
 
@@ -68,13 +69,13 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
     """The average (a new tensor), or None when the quick path cannot take the call:
     the caller then runs the general path."""
     s = eng.stream
-    if tl.current is not None or x.dtype not in _FLOATS or not eng.caller_progress or not x.numel():
+    nbytes = x.nbytes
+    if tl.current is not None or x.dtype not in _FLOATS or not eng.caller_progress or not nbytes:
         return None
-    nbytes = x.numel() * x.element_size()
     if nbytes > s.inline_limit:
         if nbytes > _LARGEST_QUICK:
             return None
-        return _large(eng, name, x, self_weight, src_weights, send_plan, recv_from)
+        return _large(eng, name, x, nbytes, self_weight, src_weights, send_plan, recv_from)
     if not eng.hold_if_idle(name):
         return None
     held = True
@@ -199,7 +200,7 @@ class _Sends(_Call):
         self.data_requests = []
 
 
-def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
+def _large(eng, name, x, nbytes, self_weight, src_weights, send_plan, recv_from):
     """The quick path of a large tensor: see the module's docstring."""
     if not eng.hold_if_idle(name):
         return None
@@ -207,7 +208,7 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
     call = _Sends(name)
     try:
         try:
-            out, task = _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from)
+            out, task = _large_held(eng, call, x, nbytes, self_weight, src_weights, send_plan, recv_from)
         except BaseException:   # a neighbor's other shape, an interrupt: MPI may still read the sends
             eng.keep_sending(call.data_requests)
             raise
@@ -223,23 +224,24 @@ def _large(eng, name, x, self_weight, src_weights, send_plan, recv_from):
     return eng.synchronize_owned(handle)
 
 
-def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
+def _large_held(eng, call, x, nbytes, self_weight, src_weights, send_plan, recv_from):
     """Send, receive and average while holding the loop: (out, None) when done, or
     (out, the task the loop finishes the call with)."""
     name, s = call.name, eng.stream
     meta = (dtype_name(x.dtype), tuple(x.shape))
-    outgoing = {}    # scale -> (tensor, its bytes): x, or one scaled copy per distinct scale
+    head = s.large_head(name, meta, nbytes)      # (of the descriptors sent and of those expected)
+    outgoing = {}    # scale -> (tensor, its memory): x, or one scaled copy per distinct scale
     tried = []
     try:
         out = torch.empty_like(x)
         for _, scale in send_plan:
             if scale not in outgoing:
                 y = x if scale is None else _neighbor_tasks.scaled(x, scale)
-                outgoing[scale] = (y, tensor_bytes(y))
+                outgoing[scale] = (y, _memory(y, nbytes))
         for dst, scale in send_plan:     # descriptors, then the data
             data = outgoing[scale]
             tried.append(dst)
-            s.send_large(dst, name, meta, data[1], data[0], call.data_requests)
+            s.send_large(dst, head, data[1], data[0], call.data_requests)
     except Exception as exc:
         _neighbor_tasks.failed_plan(eng, exc, name, send_plan, recv_from, tried)
         raise
@@ -247,7 +249,7 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     keys = [(src, name) for src in recv_from]
     window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
     since = _monotonic()
-    got = _received(eng, name, meta, x.numel() * x.element_size(), recv_from, window)
+    got = _received(eng, name, meta, head, nbytes, recv_from, window)
     if got is not None:
         s.stats["quick_received"] += 1
         try:
@@ -264,6 +266,13 @@ def _large_held(eng, call, x, self_weight, src_weights, send_plan, recv_from):
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
     return out, lambda e, op: _result(out)     # only its sends are left
+
+
+def _memory(t, nbytes):
+    """The nbytes of contiguous host tensor t as a buffer MPI sends from: its address
+    (a numpy view, _stream.tensor_bytes, costs several times more on the cold caches
+    of a loop of large calls)."""
+    return _from_address(t.data_ptr(), nbytes)
 
 
 def _result(out):
@@ -307,7 +316,7 @@ def _inputs(eng, keys, window):
             return None
 
 
-def _received(eng, name, meta, nbytes, recv_from, window):
+def _received(eng, name, meta, head, nbytes, recv_from, window):
     """The in-neighbors' tensors of a large call: (tensors in recv_from's order, the
     functions that give their memory back); or None, with what was received filed in
     the inbox, when an input is not the expected one or the call gives up (_inputs
@@ -325,7 +334,6 @@ def _received(eng, name, meta, nbytes, recv_from, window):
             if e.__class__ is not Entry or e.meta != meta or e.sent_by is not None:
                 return None     # (a fused group's member, another shape or operation: the general way says)
             ahead.append((src, name))
-    head = s.large_head(name, meta, nbytes)
     wanted, found, reqs = set(recv_from).difference(src for src, _ in ahead), [], None
     testall, receive = MPI.Request.Testall, s.receive_large
     since = _monotonic()

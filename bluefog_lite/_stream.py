@@ -331,14 +331,15 @@ class StreamEndpoint:
         self.flush_one(dst)
         self._send_data(dst, tag, out.raw, out.tensor, data_requests)
 
-    def send_large(self, dst, key, meta, raw, tensor, data_requests):
-        """A large tensor (dtype and shape ``meta``, bytes ``raw``) to dst as
-        queue_tensor and flush_one send it: what is queued for dst, its
-        descriptor packet, then its data (request appended to data_requests)."""
+    def send_large(self, dst, head, raw, tensor, data_requests):
+        """A large tensor (its descriptor's header ``head``, from large_head; bytes
+        ``raw``, any buffer MPI takes) to dst as queue_tensor and flush_one send it:
+        what is queued for dst, its descriptor packet, then its data (request
+        appended to data_requests)."""
         if dst in self.outboxes:     # what was queued before goes first
             self.flush_one(dst)
         tag = self._data_tag(dst)
-        self.send_packet(dst, self.large_head(key, meta, raw.nbytes) + _tag_piece(tag))
+        self.send_packet(dst, head + _tag_piece(tag))
         self.to_ring.add(dst)
         self._send_data(dst, tag, raw, tensor, data_requests)
 

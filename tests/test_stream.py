@@ -183,7 +183,8 @@ def descriptors(sends):
         comm = RecordingComm()
         maker = makers.setdefault(src, endpoint(comm))
         maker.comm = comm
-        maker.send_large(0, name, ("float32", tuple(t.shape)), t.numpy().view(np.uint8).reshape(-1), t, [])
+        raw = t.numpy().view(np.uint8).reshape(-1)
+        maker.send_large(0, maker.large_head(name, ("float32", tuple(t.shape)), raw.nbytes), raw, t, [])
         packets.append((src, comm.sent[0][0]))      # (the descriptor: the data message follows it)
     return packets
 

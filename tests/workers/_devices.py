@@ -33,6 +33,10 @@ class FakeCudaTensor(torch.Tensor):
     def is_cuda(self):
         return True
 
+    @property
+    def is_cpu(self):
+        return False
+
 
 REAL = os.environ.get("BF_TEST_DEVICE", "fake") == "cuda"
 if REAL:

@@ -46,7 +46,7 @@ tasks.Outgoing = FailingOutgoing
 
 # the caller's own packing of small and large blocking calls (_quick.py)
 stream = bf._runtime.state().engine.stream
-_small_packet, _tensor_bytes = stream.small_packet, quick.tensor_bytes
+_small_packet, _memory = stream.small_packet, quick._memory
 
 
 QUICK_FAILURES = [0]
@@ -61,7 +61,7 @@ def failing(real):
     return packing
 
 
-stream.small_packet, quick.tensor_bytes = failing(_small_packet), failing(_tensor_bytes)
+stream.small_packet, quick._memory = failing(_small_packet), failing(_memory)
 
 # the caller's allocation of the result (before it sends: after, its neighbors' inputs
 # would stay queued and feed its next call of the name)
