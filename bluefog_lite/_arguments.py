@@ -8,7 +8,7 @@ import numbers
 import numpy as np
 import torch
 
-from ._devices import on_device, to_host
+from ._devices import to_host
 from ._stream import plain
 
 REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -19,9 +19,17 @@ _AVERAGEABLE = REDUCIBLE | {getattr(torch, u) for u in ("uint16", "uint32", "uin
 
 def _dense(t, what="tensor"):
     """t, if it is a dense tensor with data (on any device)."""
+    _dense_on_host(t, what)
+    return t
+
+
+def _dense_on_host(t, what):
+    """_dense; True if t's memory is the host's. (Each torch call counts: on the cold
+    caches of a loop of large calls one costs several microseconds.)"""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_meta:
+    host = t.is_cpu
+    if not host and t.is_meta:
         raise TypeError(f"{what} is on the meta device (it has no data); pass a tensor with values")
     if t.is_nested:
         raise TypeError(f"{what} is a nested tensor; pass a dense tensor")
@@ -32,15 +40,14 @@ def _dense(t, what="tensor"):
     if torch._C._functorch.is_functorch_wrapped_tensor(t):
         raise TypeError(f"{what} is a tensor inside a torch.func transform (grad, vmap, jacrev, ...), which has no "
                         "data of its own; communicate outside the transform")
-    return t
+    return host
 
 
 def _tensor(t, name, what="tensor", later=False):
     """The contiguous CPU tensor that operation name sends: t itself, or a copy if t
     is not contiguous, is a lazily negated/conjugated view, or is on an accelerator
     (see _devices.py; later: the copy is only queued)."""
-    _dense(t, what)
-    return to_host(t, name, later) if on_device(t) else plain(t)
+    return plain(t) if _dense_on_host(t, what) else to_host(t, name, later)
 
 
 def _flag(value, what):

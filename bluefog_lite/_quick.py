@@ -47,7 +47,7 @@ from .timeline import _recorder as tl
 _yield = os.sched_yield
 _monotonic = time.monotonic
 _ANY_SOURCE = MPI.ANY_SOURCE
-_from_address = MPI.buffer.fromaddress
+_from_address = (getattr(MPI, "buffer", None) or MPI.memory).fromaddress    # (mpi4py 4 renamed memory to buffer)
 _status = MPI.Status()    # for the caller holding the loop (one at a time)
 
 

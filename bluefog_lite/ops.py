@@ -458,7 +458,7 @@ def _neighbor_allreduce_call(tensor, self_weight, src_weights, dst_weights, enab
             negotiate=_checked_or(enable_topo_check, True) and dst_weights is not None,
             peers_known=known)) from exc
     return (name, x, st, sw, srcw, plan, recv_from, bool(enable_topo_check) and dynamic,
-            _devices.delivery(tensor, False, name))
+            None if x is tensor else _devices.delivery(tensor, False, name))    # (a device tensor's x is a copy)
 
 
 def _submit_neighbor_allreduce(name, x, st, sw, srcw, plan, recv_from, check, deliver):
