@@ -17,8 +17,9 @@ completion); this path skips them. The packets are the ones the loop builds
   general path.
 - A large tensor, up to 2 MiB: the caller sends each out-neighbor a descriptor
   and the data (from the tensor's memory), posts the receive of each
-  in-neighbor's data as soon as its descriptor is in, averages, and waits for
-  its own sends. Between looks it yields the CPU for up to the transfer window
+  in-neighbor's data as soon as its descriptor is in (one that is exactly the
+  expected one is read without an inbox entry: _received), averages, and waits
+  for its own sends. Between looks it yields the CPU for up to the transfer window
   (BLUEFOG_TRANSFER_WINDOW_S, 3 ms) instead of the 0.3 ms yield window: MPI
   moves a large message only while both agents call into it, and an agent asleep
   in the middle of a transfer stalls its peers (1 MB at 4 agents: a minimal
