@@ -132,6 +132,11 @@ class CallerDrive:
         moved = self.held_post(keys) or moved
         return self._take_all(keys) if moved else None
 
+    def held_take_ready(self, keys):
+        """Under hold_if_idle: the entries for every key if each one's first is ready
+        (taken from the inbox), else None (nothing taken); receives nothing."""
+        return self._take_all(keys)
+
     def held_post(self, keys):
         """Under hold_if_idle: post the receives of the call's own large inputs (keys:
         (src, name)) whose descriptors are in, the next of their keys from their
@@ -166,19 +171,37 @@ class CallerDrive:
         """Under hold_if_idle: make the call an operation (task as for submit; name is
         already in use; data_requests: its large sends in flight), run the loop until
         it is done, let go. Returns its handle for synchronize."""
-        self._quick_hold = False     # (the loop may sleep on the bell)
+        op = None
         try:
-            with self._lock:
-                op = self._new_op(name, kind)
-                op.task = task(self, op)
-                op.data_requests = list(data_requests)
-                self._ops[op.handle] = op
-            self._active.add(op)
-            self._step(op, None)
+            op = self._held_op(name, kind, task, data_requests)
             self._run_until(op)
         except BaseException:       # (interrupted: the blocking call never gets the handle)
-            self.abandon(op)
+            if op is not None:
+                self.abandon(op)
             raise
         finally:
             self._let_go()
         return op.handle
+
+    def abandon_held(self, name, kind, task, data_requests=()):
+        """Under hold_if_idle, for a call interrupted (a signal handler's exception)
+        while it waits for its inputs: make it an operation as continue_held does, but
+        one that nobody waits for, and let go. The loop takes its inputs and drops it
+        (else they stayed in the inbox and fed the name's next call, whose own inputs
+        were never taken)."""
+        try:
+            self.abandon(self._held_op(name, kind, task, data_requests))
+        finally:
+            self._let_go()
+
+    def _held_op(self, name, kind, task, data_requests):
+        """The operation a held call becomes, stepped once (see continue_held)."""
+        self._quick_hold = False     # (the loop may sleep on the bell)
+        with self._lock:
+            op = self._new_op(name, kind)
+            op.task = task(self, op)
+            op.data_requests = list(data_requests)
+            self._ops[op.handle] = op
+        self._active.add(op)
+        self._step(op, None)
+        return op

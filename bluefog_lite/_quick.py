@@ -108,19 +108,23 @@ def neighbor_allreduce(eng, name, x, self_weight, src_weights, send_plan, recv_f
             _neighbor_tasks.failed_plan(eng, exc, name, send_plan, recv_from, tried)
             raise
         window = min(eng.yield_window_s, _LONGEST_SPIN_S)
-        arrays = _arrays(eng, name, meta, head, xa, recv_from, window)
+        try:
+            arrays = _arrays(eng, name, meta, head, xa, recv_from, window)
+            # all in, but not all as expected: the checks say which
+            entries = None if arrays is not None else eng.held_take([(src, name) for src in recv_from])
+        except BaseException:
+            held = False    # abandon_held lets go
+            _abandon(eng, name, _rest(name, x, out, self_weight, src_weights, recv_from))
+            raise
         if arrays is not None:
             s.stats["quick"] += 1
             return _average(out, xa, self_weight, [src_weights.get(src, 0.0) for src in recv_from], arrays)
-        keys = [(src, name) for src in recv_from]
-        entries = eng.held_take(keys)    # all in, but not all as expected: the checks say which
         if entries is not None:
             s.stats["quick"] += 1
             return _neighbor_tasks.average_of(_Call(name), x, out, self_weight, src_weights, entries)
         s.stats["quick_continued"] += 1
         held = False    # continue_held lets go
-        handle = eng.continue_held(name, _Call.kind, lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(
-            e, op, x, out, self_weight, src_weights, keys))
+        handle = eng.continue_held(name, _Call.kind, _rest(name, x, out, self_weight, src_weights, recv_from))
     finally:
         if held:
             eng.release_hold(name)
@@ -155,22 +159,47 @@ def _arrays(eng, name, meta, head, xa, recv_from, window):
         size = s.small_size(head, xa.nbytes)
         receive = s.receive_small
         since = _monotonic()
-        while receive(_status, name, head, size, wanted, found):
-            if not wanted:
-                break
-            if _monotonic() - since > window or eng.held_interrupted():
-                break
-            _yield()
+        try:
+            while receive(_status, name, head, size, wanted, found):
+                if not wanted:
+                    break
+                if _monotonic() - since > window or eng.held_interrupted():
+                    break
+                _yield()
+        except BaseException:     # (an interrupt: the operation the call becomes takes them)
+            _file_back(s, name, found, taken)
+            raise
         if wanted:
-            s.put_back(found, name)
-            for src, e in taken.items():
-                inbox[(src, name)].appendleft(e)
+            _file_back(s, name, found, taken)
             return None
     got = {src: e.array for src, e in taken.items()}
     start = len(head)
     for src, packet in found:
         got[src] = np.ndarray(xa.shape, xa.dtype, packet, start)
     return [got[src] for src in recv_from]
+
+
+def _file_back(s, name, found, taken):
+    """Undo _arrays: found's packets and the entries it took back in the inbox, first
+    under their keys."""
+    s.put_back(found, name)
+    for src, e in taken.items():
+        s.inbox[(src, name)].appendleft(e)
+
+
+def _rest(name, x, out, self_weight, src_weights, recv_from):
+    """The task of the operation a call becomes once its sends are made (Engine.continue_held)."""
+    keys = [(src, name) for src in recv_from]
+    return lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(e, op, x, out, self_weight, src_weights, keys)
+
+
+def _abandon(eng, name, task, data_requests=()):
+    """A call interrupted (a signal handler's exception) after its sends, before it
+    took its inputs, becomes an operation nobody waits for (Engine.abandon_held): the
+    loop takes its inputs in the background, as for an interrupted operation, instead
+    of leaving them to the name's next call."""
+    eng.stream.stats["quick_interrupted"] += 1
+    eng.abandon_held(name, _Call.kind, task, data_requests)
 
 
 def _average(out, xa, self_weight, weights, arrays):
@@ -193,12 +222,14 @@ def _average(out, xa, self_weight, weights, arrays):
 
 class _Sends(_Call):
     """A large call, as _neighbor_tasks.average_of and Engine.continue_held see an
-    operation: its name and the requests of its data messages."""
-    __slots__ = ("data_requests",)
+    operation: its name and the requests of its data messages; while it waits for its
+    inputs, the task of the operation it would become (_rest)."""
+    __slots__ = ("data_requests", "waiting")
 
     def __init__(self, name):
         super().__init__(name)
         self.data_requests = []
+        self.waiting = None
 
 
 def _large(eng, name, x, nbytes, self_weight, src_weights, send_plan, recv_from):
@@ -211,7 +242,11 @@ def _large(eng, name, x, nbytes, self_weight, src_weights, send_plan, recv_from)
         try:
             out, task = _large_held(eng, call, x, nbytes, self_weight, src_weights, send_plan, recv_from)
         except BaseException:   # a neighbor's other shape, an interrupt: MPI may still read the sends
-            eng.keep_sending(call.data_requests)
+            if call.waiting is None:
+                eng.keep_sending(call.data_requests)
+            else:           # (the operation keeps them)
+                held = False    # abandon_held lets go
+                _abandon(eng, name, call.waiting, call.data_requests)
             raise
         if task is None:
             eng.stream.stats["quick"] += 1
@@ -247,10 +282,13 @@ def _large_held(eng, call, x, nbytes, self_weight, src_weights, send_plan, recv_
         _neighbor_tasks.failed_plan(eng, exc, name, send_plan, recv_from, tried)
         raise
     eng.ring_peers()
-    keys = [(src, name) for src in recv_from]
     window = min(max(eng.yield_window_s, eng.transfer_window_s), _LONGEST_SPIN_S)
     since = _monotonic()
+    call.waiting = rest = _rest(name, x, out, self_weight, src_weights, recv_from)
     got = _received(eng, name, meta, head, nbytes, recv_from, window)
+    entries = None if got is not None else _inputs(eng, [(src, name) for src in recv_from],
+                                                   window - (_monotonic() - since))
+    call.waiting = None     # (the inputs are taken, or the call continues as an operation)
     if got is not None:
         s.stats["quick_received"] += 1
         try:
@@ -258,11 +296,9 @@ def _large_held(eng, call, x, nbytes, self_weight, src_weights, send_plan, recv_
         finally:
             for release in got[1]:
                 release()
+    elif entries is None:
+        return out, rest
     else:
-        entries = _inputs(eng, keys, window - (_monotonic() - since))
-        if entries is None:
-            return out, lambda e, op: _neighbor_tasks.neighbor_allreduce_rest(
-                e, op, x, out, self_weight, src_weights, keys)
         _neighbor_tasks.average_of(call, x, out, self_weight, src_weights, entries)
     if _sent(eng, [r for r, _ in call.data_requests], window):
         return out, None
@@ -345,11 +381,13 @@ def _received(eng, name, meta, head, nbytes, recv_from, window):
                     break
             if ahead:
                 eng.held_post(ahead)
-            if not wanted and all(inbox[k][0].ready for k in ahead):
+            if not wanted:
                 if reqs is None:
                     reqs = [f[1] for f in found]
                 if testall(reqs):
-                    return _taken(eng, meta, recv_from, found, ahead)
+                    entries = eng.held_take_ready(ahead)
+                    if entries is not None:
+                        return _taken(eng, meta, recv_from, found, entries)
             if _monotonic() - since > window or eng.held_interrupted(True):
                 break
             _yield()
@@ -362,18 +400,13 @@ def _received(eng, name, meta, head, nbytes, recv_from, window):
     return None
 
 
-def _taken(eng, meta, recv_from, found, ahead):
-    """_received's result once every input is in: found's buffers as tensors, the
-    entries under the keys ahead taken from the inbox; found's senders rung back
-    (they wait for their sends)."""
+def _taken(eng, meta, recv_from, found, entries):
+    """_received's result once every input is in: found's buffers as tensors and the
+    entries taken from the inbox (inputs that came before the call); found's senders
+    rung back (they wait for their sends)."""
     s = eng.stream
-    inbox = s.inbox
     got = {src: (_as_tensor(buf, meta), release) for src, _, buf, release in found}
-    for k in ahead:
-        q = inbox[k]
-        e = q.popleft()
-        if not q:
-            del inbox[k]
+    for e in entries:
         got[e.src] = (e.value, e.release)
     s.to_ring.update(f[0] for f in found)
     eng.ring_peers()

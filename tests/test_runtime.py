@@ -209,6 +209,15 @@ def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
     assert "INTERRUPTED" in out
 
 
+@pytest.mark.parametrize("case", ["window_small", "window_large"])
+def test_a_blocking_call_interrupted_on_the_quick_path_leaves_no_inputs_behind(case):
+    """tests/workers/runtime_interrupted.py: a blocking call interrupted while it
+    waits on the quick path (small or large tensor) becomes an operation that takes
+    its inputs; the name's next call averages its own round, exactly."""
+    _, out = run_agents(4, "runtime_interrupted.py", case, timeout=90)
+    assert "INTERRUPTED" in out
+
+
 @pytest.mark.parametrize("case", ["missed_look", "handback", "announced", "many_files"])
 def test_the_communication_thread_wakes_for_its_work(case):
     """tests/workers/runtime_wakeups.py: with the MPI pokes at 1 s, no operation

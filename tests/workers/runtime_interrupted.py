@@ -7,6 +7,14 @@ synchronize: rank 0's SIGINT is delivered to its communication thread while the
     (set_topology refused, shutdown waited a minute) and a second synchronize of its
     handle never returned. Now the operation is done: synchronizing it again returns
     its result, set_topology is accepted, and shutdown is prompt.
+window_small, window_large: rank 0's blocking neighbor_allreduce (4 KB, 512 KB)
+    is interrupted while it runs on the quick path, after its sends, before its
+    inputs came (the exception raised where a signal handler's would: in a yield of
+    the quick path's look loop, _quick._yield). Before, the call never became an
+    operation: the inputs came later, stayed in the inbox and fed the name's next
+    call (round-1 values averaged with round-2 x), whose own inputs were never
+    taken. Now the call becomes an operation nobody waits for (stats
+    "quick_interrupted") that takes them, and the next call is exact.
 blocking: rank 0's blocking neighbor_allreduce is interrupted (SIGINT to its main
     thread) while it waits for the others. The blocking call held the only handle of
     its operation; before, the operation finished later but its name stayed "in
@@ -54,6 +62,40 @@ if case == "synchronize":
             time.sleep(0.005)
         got = bf.neighbor_allreduce(x, name="x")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    bf.barrier()
+elif case.startswith("window_"):
+    from bluefog_lite import _quick
+    from bluefog_lite._runtime import state
+    n = 512 if case == "window_small" else 1 << 16      # float64: 4 KB on the small path, 512 KB on the large
+
+    def round_of(r, k):
+        return torch.arange(n, dtype=torch.float64) * (1.0 if r == 1 else 0.5) + (1000.0 if r == 1 else -77.0) * k
+    stats = state().engine.stream.stats
+    if rank == 0:
+        yield_ = _quick._yield
+
+        def interrupting_yield():
+            _quick._yield = yield_
+            raise KeyboardInterrupt
+        _quick._yield = interrupting_yield
+        try:
+            bf.neighbor_allreduce(round_of(1, rank), name="x")
+            raise AssertionError("not interrupted: the test tested nothing")
+        except KeyboardInterrupt:
+            pass
+        assert stats["quick_interrupted"] == 1, f"the call was not interrupted on the quick path: {dict(stats)}"
+        print("INTERRUPTED", flush=True)
+    else:
+        time.sleep(0.3)      # (rank 0 looks for their inputs meanwhile)
+        got = bf.neighbor_allreduce(round_of(1, rank), name="x")
+        torch.testing.assert_close(got, sum(W[k, rank] * round_of(1, k) for k in range(size)), rtol=1e-12, atol=1e-9)
+    bf.barrier()
+    deadline = time.monotonic() + 30     # the abandoned operation frees its name once it took its inputs
+    while "x" in state().engine._names:
+        assert time.monotonic() < deadline, "the interrupted call's operation never completed"
+        time.sleep(0.01)
+    got = bf.neighbor_allreduce(round_of(2, rank), name="x")    # (round 1's inputs gave another average)
+    torch.testing.assert_close(got, sum(W[k, rank] * round_of(2, k) for k in range(size)), rtol=1e-12, atol=1e-9)
     bf.barrier()
 else:
     if rank == 0:
