@@ -34,7 +34,7 @@ from _thread import allocate_lock as _allocate_lock, get_ident as _get_ident
 
 from . import _fusion, _posting
 from ._doorbell import ANYTHING, URGENT_ONLY, Doorbell
-from ._mpi import MPI
+from ._mpi import MPI, retire
 from ._pool import BufferPool
 from ._caller_drive import CallerDrive
 from ._stalls import INSPECT_EVERY_S, StallInspector
@@ -363,7 +363,7 @@ class Engine(CallerDrive, StallInspector):
             sys.stderr.write(f"bluefog_lite WARNING (rank {self.rank}): could not check for untaken "
                              f"data at shutdown: {exc!r}\n")
         self.doorbell.close()
-        self.comm.Free()
+        retire(self.comm)
 
     def drop_memory(self):
         """After stop(), once the thread has ended: let go of the buffer pool, data

@@ -18,7 +18,7 @@ from topology import _validate as _topo_checks
 
 from . import _leftovers
 from ._departures import Departures
-from ._mpi import MPI
+from ._mpi import MPI, retire
 
 
 class BluefogError(RuntimeError, ValueError):
@@ -316,7 +316,7 @@ def _shutdown():
     _state.engine.drop_memory()
     _state.initialized = False
     _state.shut_down = True
-    _state.comm.Free()
+    retire(_state.comm)     # (the departures' messages: see _mpi.retire)
     _state.comm = None
     _state.shutdown_steps = 0
     sys.excepthook, threading.excepthook = _state.hooks_before

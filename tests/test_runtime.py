@@ -209,6 +209,12 @@ def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
     assert "INTERRUPTED" in out
 
 
+def test_a_run_s_late_messages_never_reach_the_next_run():
+    """init() again after shutdown() (tests/workers/runtime_runs.py): notices sent at the
+    end of one run and received after it ended are not taken by the next run."""
+    run_agents(4, "runtime_runs.py", timeout=120)
+
+
 @pytest.mark.parametrize("case", ["window_small", "window_large"])
 def test_a_blocking_call_interrupted_on_the_quick_path_leaves_no_inputs_behind(case):
     """tests/workers/runtime_interrupted.py: a blocking call interrupted while it
