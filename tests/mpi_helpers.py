@@ -36,6 +36,37 @@ def run_agents(nprocs, script, *args, timeout=90, env=None, expect_ok=True, unta
     return code, out
 
 
+class Batch:
+    """The cases of a family of tests run in one job (tests/workers/_batch.py): every
+    case on the same agents and environment. cases: {label: (script, *args)}. The job
+    runs once, at the first check; check(label) then fails unless that case returned
+    on every agent (with the job's output: a failing case ends the job, and those
+    after it report that they did not run)."""
+
+    def __init__(self, nprocs, cases, timeout, env=None):
+        self.nprocs, self.cases, self.timeout, self.env = nprocs, cases, timeout, env
+        self.result = None
+
+    def check(self, label):
+        assert label in self.cases, f"no case {label!r} in this batch"
+        if self.result is None:
+            args = []
+            for name, (script, *rest) in self.cases.items():
+                args += ["--", name, script, *rest]
+            try:
+                self.result = run_agents(self.nprocs, "_batch.py", *args[1:], timeout=self.timeout, env=self.env,
+                                         expect_ok=False)
+            except AssertionError as timed_out:     # (each case reports it; the job is not run again)
+                self.result = (None, str(timed_out))
+        code, out = self.result
+        done = set(re.findall(rf"CASE DONE {re.escape(label)} (\d+)", out))
+        assert code is None or f"CASE START {label} " in out, (
+            f"case {label} did not run: a case before it failed (batch exit code {code}):\n{out[-6000:]}")
+        assert len(done) == self.nprocs, (
+            f"case {label} returned on {len(done)}/{self.nprocs} agents (batch exit code {code}):\n{out[-6000:]}")
+        assert UNTAKEN not in out, f"the batch left data untaken:\n{out[-6000:]}"
+
+
 def seconds_since(pattern, out):
     """Seconds from the latest time.monotonic() the agents printed with pattern (one group:
     the time; one clock for every process of a host) until now. Jobs are timed from a point

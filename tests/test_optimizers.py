@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bluefog_lite import _local_steps
-from mpi_helpers import run_agents
+from mpi_helpers import Batch, run_agents
 
 # Where a GPU is, the rules are checked on CUDA tensors too, against torch's CUDA
 # optimizers (its multi-tensor forms there: the same math in another order of rounding);
@@ -15,24 +15,36 @@ CASES = [("awc", "nar"), ("awc", "dyn"), ("awc", "ar"), ("awc", "empty"),
          ("atc", "nar"), ("atc", "dyn"), ("atc", "ar"), ("atc", "empty"), ("gar", "-")]
 
 
+# the workers of one agent count without arguments or environment of their own, one job for each count
+OPT4 = Batch(4, {**{w: (w,) for w in ("opt_failed_steps.py", "opt_transforms.py", "opt_forward_changes.py",
+                                      "opt_closure.py", "opt_subset.py", "opt_skipped_step.py", "opt_parametrized.py",
+                                      "opt_frozen.py", "opt_between_steps.py", "opt_period.py")},
+                 **{f"opt_recover.py-{w}": ("opt_recover.py", w) for w in ("awc", "atc")}}, timeout=900)
+OPT2 = Batch(2, {w: (w,) for w in ("opt_dropped.py", "opt_arguments.py", "opt_accumulate.py")}, timeout=300)
+# tests/workers/opt_linear.py's cases, in one job (mpi_helpers.Batch: a launch costs more than a case)
+LINEAR = Batch(4, {**{f"{w}-{c}-sgd": ("opt_linear.py", w, c, "sgd") for w, c in CASES},
+                   **{f"winput-{how}": ("opt_linear.py", "winput", "-", "sgd", how) for how in ("loop", "closure")},
+                   "gar-adam": ("opt_linear.py", "gar", "-", "adam")}, timeout=600)
+
+
 @pytest.mark.parametrize("wrapper,comm", CASES)
 def test_sgd_wrappers_reach_centralized_solution(wrapper, comm):
     """Relative error < 2e-2 for every communicating variant; > 0.2 without communication."""
-    run_agents(4, "opt_linear.py", wrapper, comm, "sgd", timeout=120)
+    LINEAR.check(f"{wrapper}-{comm}-sgd")
 
 
 def test_a_dropped_wrapper_and_its_model_are_freed():
     """tests/workers/opt_dropped.py: ATC's and gradient allreduce's gradient hooks kept
     every wrapper built and dropped alive, with its model, gradients and optimizer state;
     one dropped while its model is kept lives as long as the model, on every agent."""
-    run_agents(2, "opt_dropped.py", timeout=90)
+    OPT2.check("opt_dropped.py")
 
 
 @pytest.mark.parametrize("how", ["loop", "closure"])
 def test_win_put_optimizer_reaches_a_neighborhood(how):
     """Asynchronous, neighbor values up to 10 steps stale (a barrier every 10 steps keeps
     the agents' step rates equal): relative error < 2e-2, as the synchronous wrappers."""
-    run_agents(4, "opt_linear.py", "winput", "-", "sgd", how, timeout=120)
+    LINEAR.check(f"winput-{how}")
 
 
 def test_machine_knobs_under_bluefogs_names_steer_hierarchical_awc():
@@ -55,13 +67,13 @@ def test_training_goes_on_after_a_step_failed_on_every_agent():
     """A retried step inside skip_synchronize() (AWC, gradient allreduce) and a batch
     skipped after ATC's backward raised partway match runs without the failure
     (tests/workers/opt_failed_steps.py)."""
-    run_agents(4, "opt_failed_steps.py", timeout=120)
+    OPT4.check("opt_failed_steps.py")
 
 
 def test_passes_inside_torch_func_transforms_start_nothing():
     """Per-sample gradients (vmap(grad(functional_call))) and an input gradient between
     steps leave every wrapper's results as without them (tests/workers/opt_transforms.py)."""
-    run_agents(4, "opt_transforms.py", timeout=150)
+    OPT4.check("opt_transforms.py")
 
 
 def test_compiled_models_train_as_uncompiled_ones_without_warnings(tmp_path):
@@ -77,30 +89,33 @@ def test_parameters_the_forward_pass_changes_or_skips_are_communicated_whole():
     and with allreduce it comes last in the fixed order, holding none back; WinPut puts
     MultiheadAttention's out_proj (never called as a module) in the forward pass, so
     its neighbors' values of the step are combined (tests/workers/opt_forward_changes.py)."""
-    run_agents(4, "opt_forward_changes.py", timeout=120)
+    OPT4.check("opt_forward_changes.py")
 
 
 def test_step_with_closure_equals_an_explicit_pass():
     """AWC, ATC and gradient allreduce: step(closure) gives the same parameters and
     losses as zero_grad/forward/backward/step() (the closure's communication completes
     in its own step)."""
-    run_agents(4, "opt_closure.py", timeout=120)
+    OPT4.check("opt_closure.py")
 
 
-@pytest.mark.parametrize("wrapper,comm", [("gar", "ar"), ("awc", "ar"), ("atc", "ar"), ("awc", "nar"),
-                                          ("atc", "nar"), ("awc", "ar_set"), ("atc", "ar_set"), ("awc", "dyn"),
-                                          ("atc", "dyn")])
+BRANCH_CASES = [("gar", "ar"), ("awc", "ar"), ("atc", "ar"), ("awc", "nar"), ("atc", "nar"), ("awc", "ar_set"),
+                ("atc", "ar_set"), ("awc", "dyn"), ("atc", "dyn")]
+BRANCHES = Batch(4, {f"{w}-{c}": ("opt_branches.py", w, c) for w, c in BRANCH_CASES}, timeout=600)
+
+
+@pytest.mark.parametrize("wrapper,comm", BRANCH_CASES)
 def test_wrappers_with_data_dependent_branches_match_a_simulation(wrapper, comm):
     """Agents take different branches of the model (and none takes one of them): the
     allreduces still line up, synchronize() before step() starts the unused parameters
     too, and the parameters equal a plain-torch simulation. ar_set: allreduce set with
     the communication_type attribute after creation (as Bluefog allows). dyn: a dynamic
     one-peer step with enable_topo_check on (its check is a collective, matched by order)."""
-    run_agents(4, "opt_branches.py", wrapper, comm, timeout=120)
+    BRANCHES.check(f"{wrapper}-{comm}")
 
 
 def test_gradient_allreduce_with_adam_is_exact():
-    run_agents(4, "opt_linear.py", "gar", "-", "adam", timeout=120)
+    LINEAR.check("gar-adam")
 
 
 @pytest.mark.parametrize("make", [
@@ -191,13 +206,13 @@ def test_unsupported_optimizer_names_the_fix():
 
 def test_wrapper_arguments_are_checked():
     """Each bad argument raises naming it; a sparse gradient in gradient allreduce is named."""
-    run_agents(2, "opt_arguments.py", timeout=90)
+    OPT2.check("opt_arguments.py")
 
 
 def test_an_optimizer_holding_part_of_the_model_trains_and_communicates_that_part():
     """As in Bluefog (a head fine-tuned on a backbone): the head against a simulation of
     each wrapper, the rest unmoved; the backbone added to the optimizer later is refused."""
-    run_agents(4, "opt_subset.py", timeout=120)
+    OPT4.check("opt_subset.py")
 
 
 def test_a_step_function_must_take_four_arguments():
@@ -210,7 +225,7 @@ def test_a_step_function_must_take_four_arguments():
 @pytest.mark.parametrize("wrapper", ["awc", "atc"])
 def test_a_wrapper_whose_step_failed_works_again_from_the_next_step(wrapper):
     """Bad weights for one step (the error caught): the next steps equal a fresh wrapper's."""
-    run_agents(4, "opt_recover.py", wrapper, timeout=120)
+    OPT4.check(f"opt_recover.py-{wrapper}")
 
 
 def test_synchronize_ends_the_round_when_step_is_skipped():
@@ -218,33 +233,33 @@ def test_synchronize_ends_the_round_when_step_is_skipped():
     every agent or one: each wrapper goes on like a plain-torch simulation of the agents;
     gradient allreduce's zero_grad() without step() drops that pass's averages
     (tests/workers/opt_skipped_step.py)."""
-    run_agents(4, "opt_skipped_step.py", timeout=150)
+    OPT4.check("opt_skipped_step.py")
 
 
 def test_parametrized_layer():
     """AWC and WinPut mix weight_norm's parameters like the others (against the mixing
     matrix); reading the weight on one agent outside a pass starts no communication
     (tests/workers/opt_parametrized.py)."""
-    run_agents(4, "opt_parametrized.py", timeout=120)
+    OPT4.check("opt_parametrized.py")
 
 
 def test_layer_frozen_after_wrapping_is_left_alone():
     """AWC, ATC (neighbor and allreduce) and WinPut stop sending and combining a layer
     frozen after their creation, as Bluefog does; the other layer goes on mixing like
     the mixing matrix says (tests/workers/opt_frozen.py)."""
-    run_agents(4, "opt_frozen.py", timeout=150)
+    OPT4.check("opt_frozen.py")
 
 
 def test_two_backward_passes_before_step():
     """AWC steps on the accumulated gradient; ATC raises rather than drop the second pass.
     Also: an optimizer parameter outside the model is stepped like torch.optim does."""
-    run_agents(2, "opt_accumulate.py", timeout=120)
+    OPT2.check("opt_accumulate.py")
 
 
 def test_calls_between_steps_synchronize_winput_knobs_and_refused_state():
     """synchronize() right after step() on one agent changes nothing; WinPut refuses
     src_weights without self_weight; a refused load_state_dict loads nothing."""
-    run_agents(4, "opt_between_steps.py", timeout=150)
+    OPT4.check("opt_between_steps.py")
 
 
 def test_communication_period_and_atc_hyper_parameters_after_load_state_dict():
@@ -252,4 +267,4 @@ def test_communication_period_and_atc_hyper_parameters_after_load_state_dict():
     W^(s // 3) x0 with lr 0); ATC steps with param_groups as loaded and changed; every
     wrapper follows its optimizer reloaded (broadcast_optimizer_state) or given a new
     group after wrapping."""
-    run_agents(4, "opt_period.py", timeout=120)
+    OPT4.check("opt_period.py")
