@@ -7,7 +7,16 @@ import pytest
 
 from bluefog_lite._stalls import StallInspector
 from bluefog_lite._waits import Recv, Requests, Sleep, Turn
-from mpi_helpers import run_agents, seconds_since
+from mpi_helpers import Batch, run_agents, seconds_since
+
+# workers of one agent count without environment of their own share a job (mpi_helpers.Batch)
+PLAIN4 = Batch(4, {**{w: (w,) for w in ("runtime_topology.py", "runtime_late_init.py", "runtime_runs.py",
+                                        "runtime_idle.py", "runtime_quick_loop.py")},
+                   **{f"interrupted-{c}": ("runtime_interrupted.py", c) for c in ("window_small", "window_large")}},
+               timeout=450)
+WAKEUPS = ("missed_look", "handback", "announced", "many_files")
+PLAIN2 = Batch(2, {"runtime_poll_loop.py": ("runtime_poll_loop.py",),
+                   **{f"wakeups-{c}": ("runtime_wakeups.py", c) for c in WAKEUPS}}, timeout=360)
 
 
 def test_single_agent_ops_are_self_weighted():
@@ -99,7 +108,7 @@ def test_uncaught_exception_on_one_agent_ends_the_job():
 
 
 def test_set_topology_checks_and_refusal():
-    run_agents(4, "runtime_topology.py", timeout=90)
+    PLAIN4.check("runtime_topology.py")
 
 
 def test_after_a_caught_timeout_the_next_op_of_that_name_gets_fresh_data():
@@ -170,7 +179,7 @@ def test_a_killed_job_leaves_no_shared_memory_segment_nor_hardware_description(e
 
 
 def test_init_waiting_for_a_late_agent_does_not_spin():
-    run_agents(4, "runtime_late_init.py", timeout=60)
+    PLAIN4.check("runtime_late_init.py")
 
 
 def test_a_send_never_taken_times_out_and_the_receiver_still_gets_it():
@@ -189,7 +198,7 @@ def test_a_send_to_an_agent_that_left_without_taking_it_ends_the_job():
 
 
 def test_a_busy_poll_loop_lets_the_communication_thread_run():
-    run_agents(2, "runtime_poll_loop.py", timeout=90)
+    PLAIN2.check("runtime_poll_loop.py")
 
 
 def test_an_operation_interrupted_in_synchronize_stays_done(tmp_path):
@@ -212,7 +221,7 @@ def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
 def test_a_run_s_late_messages_never_reach_the_next_run():
     """init() again after shutdown() (tests/workers/runtime_runs.py): notices sent at the
     end of one run and received after it ended are not taken by the next run."""
-    run_agents(4, "runtime_runs.py", timeout=120)
+    PLAIN4.check("runtime_runs.py")
 
 
 @pytest.mark.parametrize("case", ["window_small", "window_large"])
@@ -220,23 +229,22 @@ def test_a_blocking_call_interrupted_on_the_quick_path_leaves_no_inputs_behind(c
     """tests/workers/runtime_interrupted.py: a blocking call interrupted while it
     waits on the quick path (small or large tensor) becomes an operation that takes
     its inputs; the name's next call averages its own round, exactly."""
-    _, out = run_agents(4, "runtime_interrupted.py", case, timeout=90)
-    assert "INTERRUPTED" in out
+    PLAIN4.check(f"interrupted-{case}")     # (rank 0 checks that the call was interrupted on the quick path)
 
 
-@pytest.mark.parametrize("case", ["missed_look", "handback", "announced", "many_files"])
+@pytest.mark.parametrize("case", WAKEUPS)
 def test_the_communication_thread_wakes_for_its_work(case):
     """tests/workers/runtime_wakeups.py: with the MPI pokes at 1 s, no operation
     waits for one (a lost wake-up) and a doorbell descriptor >= 1024 works."""
-    run_agents(2, "runtime_wakeups.py", case, timeout=90)
+    PLAIN2.check(f"wakeups-{case}")
 
 
 def test_idle_thread_sleeps_long_and_still_takes_operations():
-    run_agents(4, "runtime_idle.py", timeout=90)
+    PLAIN4.check("runtime_idle.py")
 
 
 def test_a_loop_of_quick_calls_lets_the_communication_thread_sleep():
-    run_agents(4, "runtime_quick_loop.py", timeout=90)
+    PLAIN4.check("runtime_quick_loop.py")
 
 
 def test_byte_and_switch_variables_are_checked(monkeypatch):

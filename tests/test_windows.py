@@ -5,15 +5,19 @@ Each test runs a worker from tests/workers on several agents under mpiexec with 
 hard timeout, so a deadlock fails the test instead of hanging the suite."""
 import pytest
 
-from mpi_helpers import run_agents
+from mpi_helpers import Batch, run_agents
 
+# workers of one agent count without arguments or environment share a job (mpi_helpers.Batch)
+PLAIN = {4: Batch(4, {w: (w,) for w in ("win_ops.py", "win_many.py", "win_errors.py", "win_mutex_sleeps.py")},
+                  timeout=450),
+         8: Batch(8, {w: (w,) for w in ("win_ops.py", "win_mutex.py")}, timeout=300)}
 
 @pytest.mark.parametrize("nprocs", [4, 8])
 def test_window_ops_match_numpy_model(nprocs):
     """put / accumulate (default, list and dict dst_weights, self_weight), get with
     src_weights, update (default / explicit weights, reset, clone), then_collect,
     versions, nonblocking forms, associated p, weighted topology, int windows."""
-    run_agents(nprocs, "win_ops.py", timeout=150)
+    PLAIN[nprocs].check("win_ops.py")
 
 
 def test_single_agent_windows_are_well_defined():
@@ -30,7 +34,7 @@ def test_puts_complete_while_target_computes(tmp_path):
 
 
 def test_mutex_excludes_and_accumulation_is_exact():
-    run_agents(8, "win_mutex.py", timeout=150)
+    PLAIN[8].check("win_mutex.py")
 
 
 @pytest.mark.parametrize("nprocs, graph", [(4, "ring"), (8, "exp")])
@@ -40,11 +44,11 @@ def test_async_push_sum_reaches_exact_average(nprocs, graph):
 
 
 def test_windows_up_to_mpich_limit_then_a_clear_error():
-    run_agents(4, "win_many.py", timeout=120)
+    PLAIN[4].check("win_many.py")
 
 
 def test_window_errors_are_raised_everywhere_without_hanging():
-    run_agents(4, "win_errors.py", timeout=120)
+    PLAIN[4].check("win_errors.py")
 
 
 def test_window_calls_failing_on_one_agent_fail_everywhere_or_leave_nothing_behind():
@@ -71,4 +75,4 @@ def test_mutex_wait_warns_then_times_out():
 
 
 def test_waiting_for_a_held_mutex_sleeps():
-    run_agents(4, "win_mutex_sleeps.py", timeout=90)
+    PLAIN[4].check("win_mutex_sleeps.py")
