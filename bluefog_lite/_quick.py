@@ -32,6 +32,9 @@ the loop meanwhile (an operation another thread queued, a large tensor announced
 that is not this call's), the call becomes an ordinary operation waiting for its
 inputs (and for its large sends), and the caller runs the loop for it
 (Engine.continue_held): sleeping, the stall inspector and timeouts are the loop's.
+A call interrupted meanwhile (a signal handler's exception) becomes such an
+operation too, one that nobody waits for (Engine.abandon_held): the loop takes its
+inputs, which would otherwise feed the name's next call.
 """
 import os
 import time
