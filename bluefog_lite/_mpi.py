@@ -10,16 +10,37 @@ if "mpi4py.MPI" not in __import__("sys").modules:
 
 from mpi4py import MPI  # noqa: E402  (after the rc settings on purpose)
 
-__all__ = ["MPI", "retire"]
+__all__ = ["MPI", "retire", "free_retired"]
 
-# The communicators of ended runs (shutdown), kept and never freed: a message sent to
-# an agent that it had not received when its run ended (a refusal notice, a large
-# send nobody took) would otherwise reach the next init()'s communicator, which MPICH
-# gives the freed one's context id, and be taken as that run's data. Two per run, of
-# MPICH's ~2000 context ids.
-_retired = []
+# The communicators of ended runs (shutdown). A message sent to an agent that it had
+# not received when its run ended (a refusal notice, a large send nobody took) stays
+# in MPI's queue under its communicator's context id; freed at once, that id went to
+# the next init()'s communicator, and the message was taken as that run's data. So a
+# run's communicators are freed only at the init() after next, once drained: by then
+# (a whole run later, whose init and shutdown waited for every agent) everything
+# the run's peers sent has arrived.
+_retired = []     # [(comm, the number of the run that ended with it)]
+_runs = 0
 
 
 def retire(comm):
-    """Keep comm, unfreed, for the life of the process (see _retired)."""
-    _retired.append(comm)
+    """Keep comm, the ending run's, unfreed until free_retired."""
+    _retired.append((comm, _runs))
+
+
+def free_retired():
+    """At init(): drain and free the communicators of the runs before the last (see
+    _retired), then count this run."""
+    global _runs
+    status = MPI.Status()
+    while _retired and _retired[0][1] < _runs:
+        comm = _retired.pop(0)[0]
+        looks = 3        # (an MPICH probe may only move a message into MPI's queue)
+        while looks:
+            msg = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if msg is None:
+                looks -= 1
+            else:
+                msg.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+        comm.Free()
+    _runs += 1

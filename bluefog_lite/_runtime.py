@@ -18,7 +18,7 @@ from topology import _validate as _topo_checks
 
 from . import _leftovers
 from ._departures import Departures
-from ._mpi import MPI, retire
+from ._mpi import MPI, free_retired, retire
 
 
 class BluefogError(RuntimeError, ValueError):
@@ -163,6 +163,7 @@ def init(topology_fn=None, is_weighted=False):
                       "results are undefined; leave mpi4py's thread level at its default ('multiple')",
                       RuntimeWarning, stacklevel=2)
     _every_agent_arrived(MPI.COMM_WORLD)
+    free_retired()
     _leftovers.remove_names()
     comm = MPI.COMM_WORLD.Dup()
     _state.rank, _state.size = comm.rank, comm.size

@@ -15,7 +15,7 @@ PLAIN4 = Batch(4, {**{w: (w,) for w in ("runtime_topology.py", "runtime_late_ini
                    **{f"interrupted-{c}": ("runtime_interrupted.py", c) for c in ("window_small", "window_large")}},
                timeout=450)
 WAKEUPS = ("missed_look", "handback", "announced", "many_files")
-PLAIN2 = Batch(2, {"runtime_poll_loop.py": ("runtime_poll_loop.py",),
+PLAIN2 = Batch(2, {"runtime_poll_loop.py": ("runtime_poll_loop.py",), "runtime_many_runs.py": ("runtime_many_runs.py",),
                    **{f"wakeups-{c}": ("runtime_wakeups.py", c) for c in WAKEUPS}}, timeout=360)
 
 
@@ -220,8 +220,14 @@ def test_an_interrupted_blocking_call_frees_its_name_once_done(caller_progress):
 
 def test_a_run_s_late_messages_never_reach_the_next_run():
     """init() again after shutdown() (tests/workers/runtime_runs.py): notices sent at the
-    end of one run and received after it ended are not taken by the next run."""
+    end of one run and received after it ended are not taken by a later run."""
     PLAIN4.check("runtime_runs.py")
+
+
+def test_many_runs_in_one_process_do_not_run_out_of_communicators():
+    """tests/workers/runtime_many_runs.py: 1200 init()/shutdown() runs (MPICH has ~2000
+    communicators; each run keeps its two only until the init() after next)."""
+    PLAIN2.check("runtime_many_runs.py")
 
 
 @pytest.mark.parametrize("case", ["window_small", "window_large"])
