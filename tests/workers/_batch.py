@@ -10,9 +10,9 @@ library's uncaught-exception hook aborts it), so the cases after it do not run.
 
 argv: label script args... [-- label script args...]
 """
+import os
 import runpy
 import sys
-import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
